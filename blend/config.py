@@ -1,0 +1,57 @@
+"""Configuration of the CacheBlend engine.
+
+Defaults follow LMCache's blending defaults where they exist (check layer 1, recompute
+ratio 0.15, min tokens 256) and the separator measured in ../shared/cases/separator-in-context.md
+(a newline-delimited separator keeps BPE merges from crossing segment boundaries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiers.config import _f, check_fields
+
+DEFAULT_SEPARATOR = "\n# #\n"
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    enable_blending: bool = _f(
+        True, "blend separator-delimited segments (CacheBlend); off = prefix reuse only")
+    blend_separator: str = _f(
+        DEFAULT_SEPARATOR, "string that separates segments of a blend prompt (LMCache's ' # # ' is accepted too)")
+    check_layers: tuple[int, ...] = _f(
+        (1,), "0-based layer indices where tokens are re-selected by K deviation", (0, 4096))
+    recompute_ratios: tuple[float, ...] = _f(
+        (0.15,), "share of reused tokens recomputed after each check layer (one value applies to all)",
+        (0.0, 1.0))
+    recompute_thresholds: tuple[float, ...] = _f(
+        (), "optional K-deviation floor per check layer: selected tokens scoring below it are not recomputed",
+        (0.0, 1e30))
+    min_tokens: int = _f(
+        256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.blend_separator:
+            raise ValueError("blend_separator='' is not allowed: give a non-empty string")
+        if not self.check_layers:
+            raise ValueError("check_layers=() is not allowed: give at least one layer index")
+        if len(self.recompute_ratios) not in (1, len(self.check_layers)):
+            raise ValueError(
+                f"recompute_ratios={self.recompute_ratios!r} must have 1 value or one per check layer "
+                f"(check_layers={self.check_layers!r})")
+        if self.recompute_thresholds and len(self.recompute_thresholds) not in (1, len(self.check_layers)):
+            raise ValueError(
+                f"recompute_thresholds={self.recompute_thresholds!r} must be empty, 1 value or one per check layer")
+        if list(self.check_layers) != sorted(set(self.check_layers)):
+            raise ValueError(f"check_layers={self.check_layers!r} must be strictly increasing")
+
+    def ratio_for(self, i: int) -> float:
+        """Recompute ratio of the i-th check layer."""
+        return self.recompute_ratios[i if len(self.recompute_ratios) > 1 else 0]
+
+    def threshold_for(self, i: int) -> float | None:
+        if not self.recompute_thresholds:
+            return None
+        return self.recompute_thresholds[i if len(self.recompute_thresholds) > 1 else 0]

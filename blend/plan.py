@@ -1,0 +1,112 @@
+"""``BlendPlan``: one immutable description of how a request is blended.
+
+A blend prompt, as token ids (ruler shows one request; ``|`` are segment bounds)::
+
+    | sys prompt | sep | segment A (hit) | sep | segment B (miss) | sep | segment C (hit) | sep | query |
+    0            s0    a0              a1     b0               b1     c0               c1          q0     T
+                                                                                         blend_end = q0
+
+* ``prefix`` (the system prompt, with BOS if any) and separators are always computed;
+* hit segments are loaded and re-rotated from their stored positions to their new ones,
+  then only the tokens selected at the check layer(s) are recomputed;
+* missed segments are computed (and their canonical KV stored afterwards);
+* the ``query`` (everything after the last separator) is left to the serving engine when
+  ``blend_end < T`` (the vLLM connector), or computed by the blend engine.
+
+Bookkeeping only: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiers.keys import ChunkKey
+
+PREFIX = "prefix"
+SEPARATOR = "sep"
+CHUNK = "chunk"
+QUERY = "query"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span ``[start, end)`` of the prompt's token ids.
+
+    Attributes:
+        kind: ``prefix`` | ``sep`` | ``chunk`` | ``query``.
+        key: the chunk's position-independent key (``chunk`` only).
+        hit: whether the chunk's KV is cached (``chunk`` only).
+        stored_positions: positions the cached K was rotated at (hits only; canonical
+            chunks are stored at ``0..n-1``).
+    """
+
+    kind: str
+    start: int
+    end: int
+    key: ChunkKey | None = None
+    hit: bool = False
+    stored_positions: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """How one request is blended (built by :func:`blend.planner.make_plan`).
+
+    Attributes:
+        token_ids: the whole prompt.
+        segments: spans covering ``[0, len(token_ids))`` in order, no overlap.
+        check_layers: 0-based layers where tokens are (re)selected.
+        recompute_ratios: one per check layer.
+        recompute_thresholds: empty, or one per check layer.
+        blend_end: tokens ``[0, blend_end)`` are produced by the blend engine.
+        full_prefill_reason: not None when the request must not be blended (the reason is
+            logged and counted), e.g. fewer than ``min_tokens`` reusable tokens.
+        forced_recompute: optional injected recompute set (prompt token indices) used by
+            tests to compare adapters; None in serving.
+    """
+
+    token_ids: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    check_layers: tuple[int, ...]
+    recompute_ratios: tuple[float, ...]
+    recompute_thresholds: tuple[float, ...] = ()
+    blend_end: int = 0
+    full_prefill_reason: str | None = None
+    forced_recompute: tuple[int, ...] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        pos = 0
+        for seg in self.segments:
+            if seg.start != pos or seg.end < seg.start:
+                raise ValueError(f"segments must tile the prompt in order: {seg} at {pos}")
+            pos = seg.end
+        if pos != len(self.token_ids):
+            raise ValueError(f"segments cover {pos} of {len(self.token_ids)} tokens")
+        if not 0 <= self.blend_end <= len(self.token_ids):
+            raise ValueError(f"blend_end={self.blend_end} outside 0..{len(self.token_ids)}")
+        if len(self.recompute_ratios) != len(self.check_layers):
+            raise ValueError("one recompute ratio per check layer")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def blend(self) -> bool:
+        return self.full_prefill_reason is None
+
+    @property
+    def hit_segments(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind == CHUNK and s.hit)
+
+    @property
+    def missed_segments(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind == CHUNK and not s.hit)
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.hit_segments)

@@ -1,0 +1,153 @@
+"""What the blend engine needs from the outside, as protocols that ``cluster`` implements.
+
+Axis letters used in shapes throughout ``blend``::
+
+    T  tokens of the prompt (or of one chunk)      H  KV heads        Hq  query heads
+    D  head dim        E  hidden size              L  decoder layers  V   vocab size
+
+* :class:`KVSource` — where cached chunk KV comes from (the cluster client with a gpu tier in
+  front; an in-memory dict in tests). Reads are batch-first and per layer, and asynchronous
+  so the engine can ask for layer l+1 while it computes layer l.
+* :class:`BlendModel` — the model, cut at the seams CacheBlend needs (per-layer qkv with
+  RoPE, attention done by the engine, then the rest of the layer). Implemented by the
+  HF-transformers adapter (:mod:`blend.adapters.hf`) and the vLLM adapter
+  (:mod:`blend.adapters.vllm`), spiked against vLLM 0.32's ``LlamaDecoderLayer``
+  (``input_layernorm`` → ``self_attn.qkv_proj`` (fused) → ``rotary_emb`` → ``attn`` →
+  ``o_proj`` → ``post_attention_layernorm`` → ``mlp``) and HF's ``LlamaDecoderLayer``
+  (separate ``q_proj``/``k_proj``/``v_proj``, ``rotary_emb`` on the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from tiers.keys import ChunkKey
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a lookup learns about a stored chunk without reading its layers."""
+
+    key: ChunkKey
+    num_tokens: int
+    positions: tuple[int, ...]  # positions the stored K was rotated at (canonical: 0..T-1)
+    tier: str                   # tier that answered (gpu, host, disk, redis, s3)
+
+
+@runtime_checkable
+class KVSource(Protocol):
+    """Cached KV of chunks, per layer.
+
+    Lifecycle (one request): ``lookup`` once with all segment keys (starts promotion /
+    prefetch of the hits), then ``fetch_layer`` for layer 0, 1, ... in order, typically
+    one layer ahead of compute.
+
+    Failure behaviour: never raises for cache faults. ``lookup`` reports a dead tier or shard
+    as a miss; a ``fetch_layer`` future resolves to ``None`` in the slot of a chunk that could
+    not be read (truncated, corrupted, shard died since lookup), and the caller recomputes.
+    """
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
+        """Which keys are cached (one round trip for the batch). Starts prefetch of hits."""
+        ...
+
+    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future[list[torch.Tensor | None]]:
+        """Layer ``layer_idx`` of each chunk, as ``[2, T_i, H, D]`` tensors (K then V,
+        K rotated at the chunk's stored positions) on the engine's device and KV dtype."""
+        ...
+
+
+@runtime_checkable
+class KVSink(Protocol):
+    """Where newly computed canonical chunk KV goes (the cluster client; a dict in tests).
+
+    ``put`` is asynchronous and idempotent and never raises for cache faults; ``flush``
+    waits (up to ``timeout_s``) for pending puts and returns whether all finished.
+    """
+
+    def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:
+        """Store ``kv`` of shape ``[L, 2, T, H, D]`` (canonical: positions 0..T-1)."""
+        ...
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and RoPE parameters of a model, as the engine and the namespace need them."""
+
+    model_id: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, object], ...] = ()   # sorted items of the HF rope_scaling dict
+    sliding_window: int | None = None
+    max_position: int = 0
+    dtype: str = "float32"
+
+    @property
+    def rope_key(self) -> str:
+        return f"theta={self.rope_theta};" + ";".join(f"{k}={v}" for k, v in self.rope_scaling)
+
+
+@runtime_checkable
+class BlendModel(Protocol):
+    """A decoder-only transformer cut at CacheBlend's seams.
+
+    All methods work on one sequence (no batch axis) and run without a KV cache of their own:
+    the engine keeps the KV. Tensors live on ``self.device`` in ``self.dtype``.
+
+    Shapes:
+        token_ids: ``[T]`` int64; positions: ``[T]`` int64.
+        hidden, residual: ``[T, E]``.
+        q: ``[T, Hq, D]``; k, v: ``[T, H, D]`` (q and k after RoPE at ``positions``).
+        attn_out: ``[T, Hq * D]`` (before the output projection).
+        logits: ``[T, V]`` float32.
+    """
+
+    spec: ModelSpec
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, E]``."""
+        ...
+
+    def qkv(self, layer_idx: int, hidden: torch.Tensor, residual: torch.Tensor | None,
+            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (adding ``residual`` first when given), QKV projection and RoPE.
+
+        Returns ``(q, k, v, residual)`` where ``residual`` is the new residual stream."""
+        ...
+
+    def rotate_k(self, k: torch.Tensor, from_positions: torch.Tensor,
+                 to_positions: torch.Tensor) -> torch.Tensor:
+        """Re-rotate post-RoPE K ``[T, H, D]`` from ``from_positions`` to ``to_positions``
+        (a copy). Raises ValueError for RoPE that is not linear in position."""
+        ...
+
+    def finish_layer(self, layer_idx: int, attn_out: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, residual add, post-attention norm and MLP.
+
+        Returns ``(hidden, residual)`` for the next layer's :meth:`qkv`."""
+        ...
+
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``[T, V]`` float32."""
+        ...

@@ -1,0 +1,1 @@
+"""Benchmarks: `kvblend bench tiers|blend|cluster|vllm|gpu`, each against its baseline in one run."""

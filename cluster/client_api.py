@@ -1,0 +1,137 @@
+"""The cluster client API, and an in-process reference implementation.
+
+``CacheClient`` (in :mod:`cluster.client`, over Ray shard actors) and
+:class:`LocalCacheClient` (below, one process, no Ray) both implement blend's
+:class:`~blend.protocols.KVSource` and :class:`~blend.protocols.KVSink` plus the
+administrative calls here. Contract, common to both:
+
+* ``lookup(keys)`` — one round trip for a batch; returns :class:`~blend.protocols.ChunkMeta`
+  or None per key and starts promoting the hits into host memory (prefetch).
+* ``fetch_layer(keys, layer_idx)`` — a future of ``[2, T, H, D]`` tensors (None where a chunk
+  cannot be read); never raises for cache faults.
+* ``put(key, kv, positions)`` — asynchronous, idempotent; ``kv`` is ``[L, 2, T, H, D]``.
+* ``flush(timeout_s)`` — wait for pending puts; True when all finished.
+* ``contains(keys)``, ``delete(keys)``, ``stats()``.
+
+Failure behaviour: a dead or slow shard or tier is a miss and a counter, never an exception.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+
+from blend.protocols import ChunkMeta
+from tiers.format import HEADER_PROBE_BYTES, FormatError, decode_layer, encode_chunk, parse_header
+from tiers.keys import ChunkKey
+from tiers.tier import MemoryTier, Tier
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def encode_kv(key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None,
+              compress: bool = False) -> bytes:
+    """Encode ``kv`` ``[L, 2, T, H, D]`` into a chunk object (see :mod:`tiers.format`)."""
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [L, 2, T, H, D], got {tuple(kv.shape)}")
+    if kv.dtype not in DTYPE_NAMES:
+        raise ValueError(f"kv dtype {kv.dtype} not supported")
+    kv = kv.detach().to("cpu").contiguous()
+    num_layers, _, num_tokens, num_kv_heads, head_dim = kv.shape
+    raw = kv.view(torch.uint8).view(num_layers, -1).numpy()
+    return encode_chunk(key, [raw[i] for i in range(num_layers)], dtype=DTYPE_NAMES[kv.dtype],
+                        num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        positions=positions, compress=compress)
+
+
+def layer_tensor(raw: memoryview | bytes, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """View decoded layer bytes as a ``[2, T, H, D]`` tensor (copying a read-only buffer)."""
+    mv = memoryview(raw)
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))
+    return torch.frombuffer(mv, dtype=torch.uint8).view(TORCH_DTYPES[dtype]).view(shape)
+
+
+class LocalCacheClient:
+    """Cache client over tiers in this process (no Ray): tests, and a process without Ray.
+
+    Args:
+        tier: any :class:`~tiers.tier.Tier` (default: a 1 GiB :class:`MemoryTier`).
+        device: device of tensors returned by ``fetch_layer``.
+    """
+
+    def __init__(self, tier: Tier | None = None, device: str | torch.device = "cpu",
+                 compress: bool = False) -> None:
+        self.tier = tier if tier is not None else MemoryTier(1 << 30, name="host")
+        self.device = torch.device(device)
+        self.compress = compress
+        self._lock = threading.Lock()
+        self.counters = {"lookups": 0, "hits": 0, "misses": 0, "read_errors": 0, "puts": 0}
+
+    def _header(self, key: ChunkKey):
+        ranges = self.tier.get_ranges(key, [(0, HEADER_PROBE_BYTES)])
+        if ranges is None:
+            obj = self.tier.get(key)  # small object: shorter than the probe
+            if obj is None:
+                return None
+            buf = obj
+        else:
+            buf = ranges[0]
+        try:
+            return parse_header(buf, expected_key=key)
+        except FormatError:
+            self.counters["read_errors"] += 1
+            return None
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
+        out: list[ChunkMeta | None] = []
+        for key in keys:
+            h = self._header(key)
+            self.counters["lookups"] += 1
+            if h is None:
+                self.counters["misses"] += 1
+                out.append(None)
+            else:
+                self.counters["hits"] += 1
+                out.append(ChunkMeta(key, h.num_tokens, tuple(h.position_list()), self.tier.name))
+        return out
+
+    def read_layer(self, key: ChunkKey, layer_idx: int) -> torch.Tensor | None:
+        h = self._header(key)
+        if h is None or not 0 <= layer_idx < h.num_layers:
+            return None
+        e = h.layers[layer_idx]
+        got = self.tier.get_ranges(key, [(e.offset, e.stored_len)])
+        if got is None:
+            return None
+        try:
+            raw = decode_layer(h, layer_idx, got[0])
+        except FormatError:
+            self.counters["read_errors"] += 1
+            return None
+        return layer_tensor(raw, h.layer_shape, h.dtype).to(self.device)
+
+    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future:
+        fut: Future = Future()
+        fut.set_result([self.read_layer(k, layer_idx) for k in keys])
+        return fut
+
+    def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:
+        self.counters["puts"] += 1
+        self.tier.put(key, encode_kv(key, kv, positions, compress=self.compress))
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        return True
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return self.tier.contains(keys)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return self.tier.delete(keys)
+
+    def stats(self) -> dict:
+        return {"client": dict(self.counters), "tiers": {self.tier.name: self.tier.stats()}}

@@ -1,0 +1,54 @@
+"""The one place that reads environment variables (at start-up, never in tiers/ or blend/).
+
+Registry:
+  KVBLEND_CONFIG           YAML config file
+  KVBLEND_CACHE_DIR        same as KVBLEND_CACHE_DIR field ``cache_dir``
+  KVBLEND_<FIELD>          any config field by its upper-cased name, e.g. KVBLEND_RECOMPUTE_RATIOS
+  LMCACHE_CONFIG_FILE      an LMCache YAML file (read through cluster.config.LMCACHE_KEYS)
+  LMCACHE_<KEY>            LMCache's variables (LMCACHE_ENABLE_BLENDING, ...), same table
+  RAY_ADDRESS              read by Ray itself when ray_address is 'auto'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+PREFIX = "KVBLEND_"
+LMCACHE_PREFIX = "LMCACHE_"
+_NOT_FIELDS = {"KVBLEND_CONFIG", "LMCACHE_CONFIG_FILE", "LMCACHE_LOG_LEVEL"}
+
+
+def snapshot() -> dict[str, str]:
+    """A copy of the process environment, taken once by the caller at start-up."""
+    return dict(os.environ)
+
+
+def config_values(environ: dict[str, str]) -> Iterator[tuple[str, str, str]]:
+    """Yield (name, raw value, variable) for every kvblend/LMCache config variable.
+
+    ``name`` is our field name for ``KVBLEND_*`` (unknown ones raise) and LMCache's key for
+    ``LMCACHE_*`` (mapped by :mod:`cluster.config`).
+
+    Raises:
+        ValueError: a ``KVBLEND_*`` variable that names no config field.
+    """
+    from cluster.config import FIELD_SECTION
+
+    for var in sorted(environ):
+        if var in _NOT_FIELDS:
+            continue
+        if var.startswith(PREFIX):
+            name = var[len(PREFIX):].lower()
+            if name not in FIELD_SECTION:
+                if name in _INTERNAL:
+                    continue
+                raise ValueError(f"unknown environment variable {var}: no config field {name!r}; known: "
+                                 + ", ".join(PREFIX + n.upper() for n in sorted(FIELD_SECTION)))
+            yield name, environ[var], var
+        elif var.startswith(LMCACHE_PREFIX):
+            yield var[len(LMCACHE_PREFIX):].lower(), environ[var], var
+
+
+# KVBLEND_* variables that are not config fields (test and tooling switches).
+_INTERNAL = {"log_level", "test_keep", "connector_debug"}

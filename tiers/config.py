@@ -1,0 +1,75 @@
+"""Configuration of the data plane (chunking and the five tiers).
+
+Every field carries ``metadata`` with ``doc`` (one line, with the unit) and, where it
+applies, ``range``; :mod:`cluster.config` composes this dataclass with the others, reads
+YAML/environment/CLI values into it and validates them.  This module only states the
+fields and checks the values it is given (``ValueError`` naming the field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+def _f(default, doc: str, range_: tuple | None = None, choices: tuple | None = None):
+    meta = {"doc": doc}
+    if range_ is not None:
+        meta["range"] = range_
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    chunk_size: int = _f(
+        256, "tokens per prefix chunk (the hashing unit of prefix reuse); blend segments are one chunk whatever their length",
+        (16, 65536))
+    gpu_size_gib: float = _f(
+        0.0, "GiB of device memory per vLLM worker for the gpu tier of hot chunks (0 = off; on the CPU backend it is host memory)",
+        (0.0, 1024.0))
+    host_size_gib: float = _f(
+        4.0, "GiB of host memory per shard for the host tier", (0.0, 4096.0))
+    disk_path: str = _f(
+        "", "directory of the disk tier ('' = <cache_dir>/disk)")
+    disk_size_gib: float = _f(
+        20.0, "GiB of files per shard in the disk tier (0 = off)", (0.0, 1048576.0))
+    redis_url: str = _f(
+        "", "redis://[:password@]host:port/db or rediss:// for TLS ('' = no Redis tier)")
+    redis_ttl_s: int = _f(
+        0, "seconds a chunk lives in Redis (0 = no expiry)", (0, 10**9))
+    s3_url: str = _f(
+        "", "s3://bucket[/prefix] of the S3 tier ('' = no S3 tier)")
+    s3_endpoint_url: str = _f(
+        "", "endpoint of an S3-compatible store ('' = AWS default)")
+    s3_region: str = _f("", "S3 region ('' = from the standard AWS chain)")
+    compression: str = _f(
+        "lz4", "compression of chunk layers below memory (disk, Redis, S3); a layer that does not shrink by 1.1x is stored raw",
+        choices=("lz4", "none"))
+    eviction_policy: str = _f(
+        "lru", "eviction order of the host, disk and gpu tiers", choices=("lru", "lfu"))
+    io_timeout_s: float = _f(
+        5.0, "seconds before a tier read or write counts as failed (a miss)", (0.01, 3600.0))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def check_fields(obj) -> None:
+    """Check each field of a config dataclass against its ``range``/``choices`` metadata.
+
+    Raises:
+        ValueError: naming the field, the value and what is allowed.
+    """
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        rng = f.metadata.get("range")
+        choices = f.metadata.get("choices")
+        items = value if isinstance(value, tuple) else (value,)
+        for item in items:
+            if rng is not None and not (rng[0] <= item <= rng[1]):
+                raise ValueError(
+                    f"{f.name}={value!r} is out of range: allowed {rng[0]}..{rng[1]}")
+            if choices is not None and item not in choices:
+                raise ValueError(
+                    f"{f.name}={value!r} is not allowed: choose one of {', '.join(map(str, choices))}")

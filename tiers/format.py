@@ -1,0 +1,263 @@
+"""The chunk object format: one self-describing, layer-addressable byte object per chunk.
+
+Layout (all integers little-endian)::
+
+    | prefix (16 B) | header (JSON, header_len B) | layer 0 payload | layer 1 payload | ... |
+
+    prefix  = magic b"KVBC" | version u16 | flags u16 (0) | header_len u32 | header_xxh32 u32
+    header  = {"key": "<ns>/<kind>/<hash>", "dtype": "bfloat16", "num_layers": L,
+               "num_tokens": T, "num_kv_heads": H, "head_dim": D,
+               "positions": [[start, length], ...],          # runs; K was rotated at these
+               "layers": [[offset, stored_len, raw_len, codec, xxh64], ...]}   # one per layer
+
+A layer's raw payload is the layer's K and V, ``[2, T, H, D]`` (axis 0: K then V) in
+``dtype``, C-contiguous. ``codec`` is 0 (raw) or 1 (lz4 block); a layer is compressed only
+when lz4 shrinks it by at least :data:`MIN_LZ4_RATIO`. ``xxh64`` is XXH3-64 of the stored
+payload, checked before decompressing. Offsets count from the start of the object, so a
+reader fetches the prefix and header (:data:`HEADER_PROBE_BYTES` covers them for models up to
+hundreds of layers) and then exactly the layers it needs.
+
+Never pickle. Anything truncated, corrupted, of another version or of another namespace is
+reported as :class:`FormatError` by the parsers here and turned into a miss (plus a counter)
+by :func:`read_layers`; callers never see an exception or wrong bytes from a bad object.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import lz4.block
+import xxhash
+
+from tiers.keys import FORMAT_VERSION, ChunkKey
+
+MAGIC = b"KVBC"
+_PREFIX = struct.Struct("<4sHHII")
+PREFIX_BYTES = _PREFIX.size  # 16
+HEADER_PROBE_BYTES = 16384
+MAX_HEADER_BYTES = 1 << 24
+MIN_LZ4_RATIO = 1.1
+CODEC_RAW = 0
+CODEC_LZ4 = 1
+
+#: bytes per element of the dtypes we store
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class FormatError(Exception):
+    """A chunk object is truncated, corrupted, foreign or of another version."""
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    offset: int
+    stored_len: int
+    raw_len: int
+    codec: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Parsed header of a chunk object.
+
+    Shapes: each layer's raw payload is ``[2, num_tokens, num_kv_heads, head_dim]``.
+    """
+
+    key: str
+    dtype: str
+    num_layers: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    positions: tuple[tuple[int, int], ...]
+    layers: tuple[LayerEntry, ...]
+    header_end: int
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.num_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_nbytes(self) -> int:
+        return 2 * self.num_tokens * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def total_bytes(self) -> int:
+        return max((e.offset + e.stored_len for e in self.layers), default=self.header_end)
+
+    def position_list(self) -> list[int]:
+        """Token positions K was rotated at, one per token."""
+        out: list[int] = []
+        for start, length in self.positions:
+            out.extend(range(start, start + length))
+        return out
+
+
+def positions_to_runs(positions: Sequence[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for p in positions:
+        p = int(p)
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return runs
+
+
+def encode_chunk(
+    key: ChunkKey,
+    layers: Sequence[bytes | bytearray | memoryview],
+    *,
+    dtype: str,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: Sequence[int] | None = None,
+    compress: bool = False,
+) -> bytes:
+    """Encode one chunk's per-layer KV into a chunk object.
+
+    Args:
+        key: the chunk's key (stored in the header and checked by readers).
+        layers: per layer, the raw bytes of ``[2, T, H, D]`` (K then V) in ``dtype``.
+        positions: token positions K was rotated at (default ``0..T-1``, canonical KV).
+        compress: try lz4 per layer (kept only where it shrinks by :data:`MIN_LZ4_RATIO`).
+
+    Returns:
+        The object's bytes.
+
+    Raises:
+        ValueError: unknown dtype, a layer of the wrong size, or positions of the wrong length.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} not supported; one of {sorted(DTYPE_BYTES)}")
+    raw_len = 2 * num_tokens * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+    if positions is None:
+        positions = range(num_tokens)
+    if len(positions) != num_tokens:
+        raise ValueError(f"{len(positions)} positions for {num_tokens} tokens")
+    payloads: list[bytes | memoryview] = []
+    entries: list[list[int]] = []
+    for i, layer in enumerate(layers):
+        mv = memoryview(layer).cast("B")
+        if mv.nbytes != raw_len:
+            raise ValueError(f"layer {i} has {mv.nbytes} bytes, expected {raw_len} for "
+                             f"[2, {num_tokens}, {num_kv_heads}, {head_dim}] {dtype}")
+        codec, stored = CODEC_RAW, mv
+        if compress:
+            packed = lz4.block.compress(mv, store_size=False)
+            if len(packed) * MIN_LZ4_RATIO <= raw_len:
+                codec, stored = CODEC_LZ4, packed
+        payloads.append(stored)
+        entries.append([0, len(stored), raw_len, codec, xxhash.xxh3_64_intdigest(stored)])
+    header = {"key": str(key), "dtype": dtype, "num_layers": len(payloads),
+              "num_tokens": num_tokens, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+              "positions": positions_to_runs(positions), "layers": entries}
+    # Offsets depend on the header's length, which depends on the offsets' digits: fix the
+    # point by padding offsets to a generous width first.
+    for e in entries:
+        e[0] = 10**15
+    blob_len = len(json.dumps(header, separators=(",", ":")).encode())
+    offset = PREFIX_BYTES + blob_len
+    for e, p in zip(entries, payloads):
+        e[0] = offset
+        offset += len(p)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob = blob + b" " * (blob_len - len(blob))  # pad back to the reserved length
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(blob), xxhash.xxh32_intdigest(blob))
+    return b"".join([prefix, blob, *payloads])
+
+
+def parse_prefix(buf: bytes | memoryview) -> int:
+    """Return header_len from the 16-byte prefix. Raises FormatError."""
+    if len(buf) < PREFIX_BYTES:
+        raise FormatError("truncated prefix")
+    magic, version, _flags, header_len, _crc = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise FormatError(f"bad magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"format version {version}, expected {FORMAT_VERSION}")
+    if header_len > MAX_HEADER_BYTES:
+        raise FormatError(f"header length {header_len} too large")
+    return header_len
+
+
+def parse_header(buf: bytes | memoryview, expected_key: ChunkKey | None = None) -> ChunkHeader:
+    """Parse and validate the prefix and header at the start of ``buf``.
+
+    Raises:
+        FormatError: truncated, corrupted, another version, or (with ``expected_key``) a
+            header naming another key or namespace.
+    """
+    header_len = parse_prefix(buf)
+    end = PREFIX_BYTES + header_len
+    if len(buf) < end:
+        raise FormatError("truncated header")
+    blob = bytes(buf[PREFIX_BYTES:end])
+    crc = _PREFIX.unpack_from(buf, 0)[4]
+    if xxhash.xxh32_intdigest(blob) != crc:
+        raise FormatError("header checksum mismatch")
+    try:
+        h = json.loads(blob)
+        layers = tuple(LayerEntry(*map(int, e)) for e in h["layers"])
+        header = ChunkHeader(
+            key=str(h["key"]), dtype=str(h["dtype"]), num_layers=int(h["num_layers"]),
+            num_tokens=int(h["num_tokens"]), num_kv_heads=int(h["num_kv_heads"]),
+            head_dim=int(h["head_dim"]),
+            positions=tuple((int(a), int(b)) for a, b in h["positions"]),
+            layers=layers, header_end=end)
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"malformed header: {e}") from None
+    if header.dtype not in DTYPE_BYTES or header.num_layers != len(layers) or header.num_tokens <= 0:
+        raise FormatError("inconsistent header")
+    if sum(b for _, b in header.positions) != header.num_tokens:
+        raise FormatError("positions do not cover num_tokens")
+    for e in layers:
+        if e.raw_len != header.layer_nbytes or e.codec not in (CODEC_RAW, CODEC_LZ4) or e.offset < end:
+            raise FormatError("inconsistent layer entry")
+        if e.codec == CODEC_RAW and e.stored_len != e.raw_len:
+            raise FormatError("inconsistent raw layer length")
+    if expected_key is not None and header.key != str(expected_key):
+        raise FormatError(f"object holds {header.key}, expected {expected_key}")
+    return header
+
+
+def decode_layer(header: ChunkHeader, layer_idx: int, payload: bytes | memoryview,
+                 out: memoryview | None = None) -> memoryview:
+    """Check and decode one layer's stored payload.
+
+    Args:
+        out: optional writable buffer of ``header.layer_nbytes`` bytes to fill.
+
+    Returns:
+        The raw ``[2, T, H, D]`` bytes (``out`` when given; else a view of ``payload`` for a
+        raw layer, or fresh bytes for an lz4 layer).
+
+    Raises:
+        FormatError: length or checksum mismatch, or an lz4 stream that does not decode.
+    """
+    e = header.layers[layer_idx]
+    if len(payload) != e.stored_len:
+        raise FormatError(f"layer {layer_idx}: {len(payload)} bytes, expected {e.stored_len}")
+    if xxhash.xxh3_64_intdigest(payload) != e.checksum:
+        raise FormatError(f"layer {layer_idx}: checksum mismatch")
+    if e.codec == CODEC_LZ4:
+        try:
+            raw = lz4.block.decompress(payload, uncompressed_size=e.raw_len)
+        except lz4.block.LZ4BlockError as err:
+            raise FormatError(f"layer {layer_idx}: lz4: {err}") from None
+        if len(raw) != e.raw_len:
+            raise FormatError(f"layer {layer_idx}: decompressed to {len(raw)} bytes")
+    else:
+        raw = payload
+    if out is None:
+        return memoryview(raw)
+    out = memoryview(out).cast("B")
+    if out.nbytes != e.raw_len:
+        raise ValueError(f"out has {out.nbytes} bytes, expected {e.raw_len}")
+    out[:] = memoryview(raw).cast("B")
+    return out

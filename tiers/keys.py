@@ -1,0 +1,139 @@
+"""Chunk keys: what makes cached KV interchangeable (the namespace) plus what it holds (content).
+
+A :class:`ChunkKey` is ``<namespace digest>/<kind>/<content hash>``:
+
+* the **namespace** pins everything that makes two KV tensors interchangeable: model id and
+  checkpoint fingerprint, LoRA adapter, KV dtype, KV layout (layers, KV heads, head dim),
+  tensor-parallel rank and size, RoPE parameters and the chunk-format version;
+* ``kind`` is ``seg`` for a blend segment (position-independent: the hash covers the
+  segment's token ids only, so the same passage anywhere in any prompt has one key, whatever
+  its length) or ``pre`` for an ordinary prefix chunk of ``chunk_size`` tokens (the hash is
+  chained over all earlier chunks, as in vLLM's prefix caching);
+* hashes are BLAKE2b of little-endian int32/int64 token bytes: stable across processes and
+  machines (never Python's ``hash()``).
+
+Bookkeeping only: no torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+#: Version of the chunk object format (tiers.format); part of every namespace.
+FORMAT_VERSION = 1
+
+SEGMENT = "seg"
+PREFIX = "pre"
+_KINDS = (SEGMENT, PREFIX)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What makes KV interchangeable. Two processes build equal namespaces for the same model.
+
+    Attributes:
+        model_id: served model name (e.g. ``smollm2`` or a path's basename).
+        model_fingerprint: cheap checkpoint fingerprint (see :func:`tiers.fingerprint.fingerprint_checkpoint`).
+        kv_dtype: torch dtype name of stored KV, e.g. ``bfloat16``.
+        num_layers: decoder layers.
+        num_kv_heads: KV heads *of this rank* (total / tp_size).
+        head_dim: per-head dimension.
+        rope: canonical string of the RoPE parameters (theta, scaling type and factors).
+        tp_rank: tensor-parallel rank (0..tp_size-1).
+        tp_size: tensor-parallel world size.
+        lora: LoRA adapter name or '' for the base model.
+        format_version: chunk-format version (:data:`FORMAT_VERSION`).
+    """
+
+    model_id: str
+    model_fingerprint: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rope: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    lora: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.tp_rank < self.tp_size):
+            raise ValueError(f"tp_rank={self.tp_rank} must be in 0..tp_size-1 (tp_size={self.tp_size})")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+    def digest(self) -> str:
+        """16 hex chars identifying this namespace (stable across processes)."""
+        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True, order=True)
+class ChunkKey:
+    """Key of one chunk object: ``namespace``/``kind``/``content`` (all hex, no slashes)."""
+
+    namespace: str
+    kind: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"ChunkKey kind={self.kind!r}: expected one of {_KINDS}")
+        for part in (self.namespace, self.content):
+            if not part or "/" in part:
+                raise ValueError(f"ChunkKey part {part!r} must be non-empty with no '/'")
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.kind}/{self.content}"
+
+    @classmethod
+    def parse(cls, text: str) -> ChunkKey:
+        """Inverse of ``str(key)``. Raises ValueError on a malformed string."""
+        parts = text.split("/")
+        if len(parts) != 3:
+            raise ValueError(f"malformed chunk key {text!r}: expected namespace/kind/content")
+        return cls(*parts)
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    return arr.astype("<i8", copy=False).tobytes()
+
+
+def segment_key(namespace: str, token_ids: Sequence[int]) -> ChunkKey:
+    """Position-independent key of a blend segment (its token ids only).
+
+    Raises:
+        ValueError: empty ``token_ids``.
+    """
+    if len(token_ids) == 0:
+        raise ValueError("a segment key needs at least one token")
+    h = hashlib.blake2b(_token_bytes(token_ids), digest_size=16, person=b"kvblend-seg")
+    return ChunkKey(namespace, SEGMENT, h.hexdigest())
+
+
+def prefix_keys(namespace: str, token_ids: Sequence[int], chunk_size: int) -> list[ChunkKey]:
+    """Prefix-chained keys of the full ``chunk_size`` chunks of ``token_ids``.
+
+    Key i covers tokens ``[0, (i+1)*chunk_size)``: it hashes chunk i's tokens and key i-1.
+    A trailing partial chunk gets no key.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be positive")
+    keys: list[ChunkKey] = []
+    parent = b""
+    for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
+        h = hashlib.blake2b(parent + _token_bytes(token_ids[start:start + chunk_size]),
+                            digest_size=16, person=b"kvblend-pre")
+        parent = h.digest()
+        keys.append(ChunkKey(namespace, PREFIX, h.hexdigest()))
+    return keys
