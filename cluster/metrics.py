@@ -1,0 +1,116 @@
+"""Shard metrics through ``ray.util.metrics`` (Prometheus, scraped from each Ray node's agent).
+
+Every metric is named ``kvblend_*`` here; Ray's exporter prefixes ``ray_`` and adds
+``_total`` to counters, so Prometheus sees e.g. ``ray_kvblend_hits_total``. Tags: ``shard``
+(actor name) and, where it applies, ``tier`` (host, disk, redis, s3). The Grafana dashboard
+``cluster/grafana/kvblend.json`` queries only names listed in :data:`PROMETHEUS_NAMES`
+(``tests/cluster/test_metrics.py`` checks both directions against a live scrape).
+
+Failure behaviour: metrics never raise into the data path; when ``ray.util.metrics`` cannot
+be used (metrics disabled in config) every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: Latency buckets in milliseconds (lookups are sub-ms on a node, cross-node reads ~ms).
+LATENCY_BUCKETS_MS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000]
+
+# name -> (kind, description, tag keys)
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "kvblend_hits": ("counter", "chunks found, per tier that answered", ("shard", "tier")),
+    "kvblend_misses": ("counter", "chunks found in no tier", ("shard",)),
+    "kvblend_bytes_in": ("counter", "bytes written into a tier", ("shard", "tier")),
+    "kvblend_bytes_out": ("counter", "bytes read out of a tier", ("shard", "tier")),
+    "kvblend_evictions": ("counter", "chunks evicted from a tier", ("shard", "tier")),
+    "kvblend_read_errors": ("counter", "corrupted, truncated or foreign objects read (served as misses)", ("shard", "tier")),
+    "kvblend_prefetch_started": ("counter", "promotions into host memory started by a lookup", ("shard",)),
+    "kvblend_prefetch_hits": ("counter", "reads served from host memory that a prefetch had promoted", ("shard",)),
+    "kvblend_lookup_latency_ms": ("histogram", "shard-side batch lookup time, ms", ("shard",)),
+    "kvblend_get_latency_ms": ("histogram", "shard-side get (object ref) time, ms", ("shard",)),
+    "kvblend_bytes_used": ("gauge", "bytes stored in a tier", ("shard", "tier")),
+    "kvblend_capacity_bytes": ("gauge", "byte capacity of a tier", ("shard", "tier")),
+    "kvblend_chunks": ("gauge", "chunks stored in a tier", ("shard", "tier")),
+}
+
+
+def prometheus_name(name: str) -> str:
+    """The name Prometheus sees for one of :data:`METRICS` (Ray adds ``ray_``, ``_total``)."""
+    kind = METRICS[name][0]
+    return f"ray_{name}_total" if kind == "counter" else f"ray_{name}"
+
+
+def prometheus_names() -> set[str]:
+    """Every series name the shards emit (histograms add _bucket/_sum/_count)."""
+    out = set()
+    for name, (kind, _, _) in METRICS.items():
+        base = prometheus_name(name)
+        if kind == "histogram":
+            out.update({f"{base}_bucket", f"{base}_sum", f"{base}_count"})
+        else:
+            out.add(base)
+    return out
+
+
+class ShardMetrics:
+    """The metrics of one shard actor (tag ``shard`` fixed to its name).
+
+    Args:
+        shard: the actor name.
+        enabled: False makes every method a no-op.
+    """
+
+    def __init__(self, shard: str, enabled: bool = True) -> None:
+        self.shard = shard
+        self.enabled = enabled
+        self._m: dict[str, object] = {}
+        self._last: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+        if not enabled:
+            return
+        from ray.util import metrics as rm
+
+        for name, (kind, doc, tags) in METRICS.items():
+            if kind == "counter":
+                m = rm.Counter(name, description=doc, tag_keys=tags)
+            elif kind == "gauge":
+                m = rm.Gauge(name, description=doc, tag_keys=tags)
+            else:
+                m = rm.Histogram(name, description=doc, boundaries=LATENCY_BUCKETS_MS, tag_keys=tags)
+            m.set_default_tags({"shard": shard})
+            self._m[name] = m
+
+    def inc(self, name: str, value: float = 1.0, tier: str | None = None) -> None:
+        if not self.enabled or value <= 0:
+            return
+        try:
+            self._m[name].inc(value, tags={"tier": tier} if tier else None)
+        except Exception:  # noqa: BLE001 - metrics must never break the data path
+            pass
+
+    def observe(self, name: str, value_ms: float) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._m[name].observe(value_ms)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def tier_stats(self, tier: str, stats: dict[str, float]) -> None:
+        """Publish a tier's ``stats()``: gauges, and eviction deltas as a counter."""
+        if not self.enabled:
+            return
+        try:
+            tags = {"tier": tier}
+            self._m["kvblend_bytes_used"].set(float(stats.get("bytes_used", 0)), tags=tags)
+            self._m["kvblend_capacity_bytes"].set(float(stats.get("capacity_bytes", 0)), tags=tags)
+            self._m["kvblend_chunks"].set(float(stats.get("num_chunks", 0)), tags=tags)
+            with self._lock:
+                ev = float(stats.get("evictions", 0))
+                delta = ev - self._last.get((tier, "evictions"), 0.0)
+                self._last[(tier, "evictions")] = ev
+            if delta > 0:
+                self._m["kvblend_evictions"].inc(delta, tags=tags)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,150 @@
+"""Connecting to (or starting) the Ray cluster that holds the cache shards.
+
+``ray_address`` (see :class:`cluster.config.ClusterConfig`):
+
+* ``'auto'``  — join the cluster named by ``$RAY_ADDRESS`` or the latest one started on this
+  machine (``/tmp/ray/ray_current_cluster``); none running -> not connected.
+* ``'local'`` — start a single-node Ray in this process, advertising the shard resource and
+  with an object store of ``object_store_gib`` (set explicitly: Ray's default is 30% of RAM,
+  7 GiB on a 24 GiB CI machine, more than a test or demo needs).
+* ``host:port`` — join that cluster's GCS.
+
+A process that cannot reach Ray gets ``None`` from :func:`connect` (after one TCP probe with a
+short timeout, so an unreachable address costs ~1 s, not Ray's minute of retries); callers
+then run without the shared cache (:func:`make_client` returns a
+:class:`~cluster.client_api.LocalCacheClient`) and log ONE warning per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+log = logging.getLogger("kvblend.ray")
+
+SHARD_PREFIX = "kvblend-shard-"
+_warned = False
+_warn_lock = threading.Lock()
+
+
+def _probe(address: str, timeout_s: float = 1.0) -> bool:
+    """True when a TCP connection to ``host:port`` opens within ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"ray_address={address!r}: expected 'auto', 'local' or host:port")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _auto_address() -> str | None:
+    addr = os.environ.get("RAY_ADDRESS", "")
+    if addr and addr not in ("auto", "local"):
+        return addr
+    try:
+        with open("/tmp/ray/ray_current_cluster") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def warn_once(message: str, *args) -> None:
+    """Log ``message`` as a warning the first time only (per process)."""
+    global _warned
+    with _warn_lock:
+        if _warned:
+            return
+        _warned = True
+    log.warning(message, *args)
+
+
+def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
+            include_dashboard: bool = False, dashboard_port: int | None = None):
+    """Connect this process to Ray (once); returns the ``ray`` module, or None when unreachable.
+
+    Args:
+        cluster_config: a :class:`cluster.config.ClusterConfig`.
+        start_resources: custom resources of the node when ``ray_address='local'`` starts one
+            (default: ``{shard_resource: shards_per_node}``).
+        include_dashboard, dashboard_port: for ``'local'`` only.
+
+    Returns:
+        ``ray`` when connected (or already initialised), else None (nothing raised).
+
+    Raises:
+        ValueError: a malformed ``ray_address``.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    cfg = cluster_config
+    address = cfg.ray_address
+    if address == "local":
+        resources = start_resources
+        if resources is None:
+            resources = {cfg.shard_resource: float(cfg.shards_per_node)} if cfg.shard_resource else {}
+        ray.init(namespace=cfg.ray_namespace, resources=resources,
+                 object_store_memory=int(cfg.object_store_gib * 2**30),
+                 include_dashboard=include_dashboard, dashboard_port=dashboard_port,
+                 log_to_driver=False, configure_logging=False)
+        return ray
+    if address == "auto":
+        address = _auto_address()
+        if address is None:
+            return None
+    if not _probe(address):
+        return None
+    try:
+        ray.init(address=address, namespace=cfg.ray_namespace, log_to_driver=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError, TimeoutError) as e:
+        log.debug("ray.init(%s) failed: %s", address, e)
+        return None
+    return ray
+
+
+def shard_names(namespace: str) -> list[str]:
+    """Names of the shard actors registered in ``namespace`` (alive or restarting)."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == namespace and a["name"].startswith(SHARD_PREFIX))
+
+
+def get_shard(name: str, namespace: str):
+    """The actor handle of a named shard, or None when it does not exist."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def make_client(config, namespace: str | None = None, **kwargs):
+    """A :class:`~cluster.client.CacheClient` when Ray and at least one shard are reachable,
+    else a :class:`~cluster.client_api.LocalCacheClient` (with one warning per process).
+
+    Args:
+        config: a :class:`cluster.config.KVBlendConfig`.
+        namespace: the chunk namespace digest this client reads and writes (for ``clear``).
+    """
+    from cluster.client_api import LocalCacheClient
+
+    ray = connect(config.cluster)
+    if ray is None:
+        warn_once("kvblend: Ray is not reachable at ray_address=%r; running without the "
+                  "shared cache (a local in-process cache only)", config.cluster.ray_address)
+        return LocalCacheClient()
+    if not shard_names(config.cluster.ray_namespace):
+        warn_once("kvblend: no cache shards in Ray namespace %r (run `kvblend server`); "
+                  "running without the shared cache", config.cluster.ray_namespace)
+        return LocalCacheClient()
+    from cluster.client import CacheClient
+
+    return CacheClient(config, namespace, **kwargs)

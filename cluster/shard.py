@@ -1,0 +1,461 @@
+"""The cache shard: a Ray actor owning one node's host and disk tiers, above shared Redis/S3.
+
+One shard per cache node (a node advertising ``shard_resource``; ``shards_per_node`` for
+more), named ``kvblend-shard-<node_id[:8]>-<i>``, detached, in namespace ``ray_namespace``,
+created idempotently (``get_if_exists``) and restarted by Ray (``max_restarts=-1``). Its disk
+directory is ``<disk_path>/<shard name>``, so a restarted actor (same name, same node) finds
+its disk chunks again (:class:`tiers.disk.DiskTier` rebuilds its index from the files).
+
+Tiers, top to bottom: ``host`` (a :class:`tiers.host.HostTier` of Ray ``ObjectRef``\\ s) →
+``disk`` → ``redis`` → ``s3`` (the last two shared by all shards). ``put`` writes the host
+tier at once and the lower tiers in the background (write-through: the disk so a restart
+loses nothing, Redis/S3 so other shards and clients with a dead owner still find it);
+``drain`` waits for those writes. A lookup that finds a chunk below host memory starts its
+promotion (prefetch) into host memory in the background.
+
+Bulk bytes never travel through actor method returns. Each host-resident chunk object is
+one numpy ``uint8`` array ``ray.put`` by the shard (so the shard owns it and our eviction,
+not the caller, decides its lifetime); ``get_refs`` returns its ``ObjectRef`` wrapped in a
+list (Ray then passes the ref, not the value) and the client ``ray.get``\\ s it: zero-copy
+from the node's shared-memory object store on the same node, one transfer per chunk
+otherwise. Measured on the 2-core dev box (``kvblend bench cluster``, 2026-11-29): returning
+32 MiB from an actor method took 18 ms (1.9 GB/s, copied through the call) while ``ray.get``
+of an object-store ref to it took 0.1 ms; see the benchmark's ``client_ratio``.
+
+Memory budget: the object store must hold ``host_size_gib`` plus in-flight puts (each put
+passes its object through the store once). ``kvblend server`` starts Ray with
+``object_store_gib`` set explicitly (default 2 GiB; Ray's own default is 30% of RAM).
+
+Failure behaviour: methods never raise for cache faults; a tier error is a miss counted in
+stats and metrics; a corrupted or foreign object (checked by :mod:`tiers.format` /
+:mod:`tiers.reader`) is a miss plus ``read_errors``. Caller mistakes (malformed key strings)
+raise ``ValueError`` to the caller through Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+import numpy as np
+
+from cluster.metrics import ShardMetrics
+from tiers.config import TiersConfig
+from tiers.format import FormatError, decode_layer, encode_chunk, parse_header
+from tiers.keys import ChunkKey
+from tiers.reader import read_header, validate_object
+
+log = logging.getLogger("kvblend.shard")
+
+SHARD_PREFIX = "kvblend-shard-"
+
+
+def shard_name(node_id: str, index: int) -> str:
+    """``kvblend-shard-<first 8 hex of the Ray node id>-<index>``."""
+    return f"{SHARD_PREFIX}{node_id[:8]}-{index}"
+
+
+def make_shared_tiers(cfg: TiersConfig) -> list:
+    """The shared tiers below every shard (Redis, then S3) that ``cfg`` configures.
+
+    A tier whose module is missing or whose constructor fails is left out with a warning
+    (its reads are then misses), never an exception.
+    """
+    out = []
+    if cfg.redis_url:
+        try:
+            from tiers.redis_tier import RedisTier
+
+            out.append(_construct(RedisTier, cfg))
+        except Exception as e:  # noqa: BLE001 - a broken shared tier degrades to misses
+            log.warning("redis tier %s unavailable: %s", cfg.redis_url, e)
+    if cfg.s3_url:
+        try:
+            from tiers.s3 import S3Tier
+
+            out.append(_construct(S3Tier, cfg))
+        except Exception as e:  # noqa: BLE001
+            log.warning("s3 tier %s unavailable: %s", cfg.s3_url, e)
+    return out
+
+
+def _construct(cls, cfg: TiersConfig):
+    factory = getattr(cls, "from_config", None)
+    if factory is not None:
+        return factory(cfg)
+    raise RuntimeError(f"{cls.__name__} has no from_config(TiersConfig)")
+
+
+def lower_object(obj, header, compression: str) -> bytes | memoryview:
+    """The object to write below memory: lz4 per layer when ``compression == 'lz4'`` and the
+    object is stored raw (a layer that does not shrink by 1.1x stays raw), else as is."""
+    if compression != "lz4" or any(e.codec != 0 for e in header.layers):
+        return obj
+    view = memoryview(obj).cast("B")
+    layers = [decode_layer(header, i, view[e.offset:e.offset + e.stored_len])
+              for i, e in enumerate(header.layers)]
+    return encode_chunk(ChunkKey.parse(header.key), layers, dtype=header.dtype,
+                        num_tokens=header.num_tokens, num_kv_heads=header.num_kv_heads,
+                        head_dim=header.head_dim, positions=header.position_list(), compress=True)
+
+
+class CacheShard:
+    """The shard's state and methods; wrapped as a Ray actor by :func:`start_shards`.
+
+    Args:
+        name: the actor name (also the disk sub-directory).
+        tiers_config: sizes, eviction policy, disk path, Redis/S3 URLs.
+        disk_root: parent of the per-shard disk directories.
+        metrics: export ``kvblend_*`` metrics through ``ray.util.metrics``.
+
+    All key arguments are ``str(ChunkKey)``; malformed ones raise ``ValueError``.
+    """
+
+    def __init__(self, name: str, tiers_config: TiersConfig, disk_root: str,
+                 metrics: bool = True) -> None:
+        import ray
+
+        from tiers.disk import DiskTier
+        from tiers.host import HostTier
+
+        self.name = name
+        self.cfg = tiers_config
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.started_at = time.time()
+        self.host = HostTier(int(tiers_config.host_size_gib * 2**30), tiers_config.eviction_policy,
+                             name="host")
+        self.disk = None
+        if tiers_config.disk_size_gib > 0:
+            self.disk = DiskTier(os.path.join(disk_root, name), int(tiers_config.disk_size_gib * 2**30),
+                                 tiers_config.eviction_policy, name="disk")
+        self.shared = make_shared_tiers(tiers_config)
+        self.lower = ([self.disk] if self.disk is not None else []) + self.shared
+        self.metrics = ShardMetrics(name, metrics)
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-shard")
+        self._lock = threading.Lock()
+        self._promoting: dict[ChunkKey, Future] = {}
+        self._prefetched: set[ChunkKey] = set()
+        self._writes: set[Future] = set()
+        self.counters = dict.fromkeys(
+            ("lookups", "misses", "read_errors", "puts", "put_rejected", "prefetch_started",
+             "prefetch_hits", "promotions", "write_errors"), 0)
+        self.counters.update({f"hits_{t.name}": 0 for t in [self.host, *self.lower]})
+        self._publisher = threading.Thread(target=self._publish_loop, daemon=True)
+        self._publisher.start()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def _host_entry(self, key: ChunkKey):
+        """(ref, header bytes) of a host-resident chunk, or None."""
+        return self.host.get_object(key)
+
+    def _store_host(self, key: ChunkKey, obj, header_end: int) -> object | None:
+        """``ray.put`` the object once and keep its ref in the host tier; returns the ref."""
+        import ray
+
+        arr = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj
+        ref = ray.put(arr)
+        header = bytes(memoryview(arr)[:header_end])
+        if not self.host.put_object(key, (ref, header), arr.nbytes):
+            return None
+        self.metrics.inc("kvblend_bytes_in", arr.nbytes, "host")
+        return ref
+
+    def _promote(self, key: ChunkKey, prefetch: bool) -> object | None:
+        """Read the whole object from the first lower tier holding it into host memory."""
+        entry = self._host_entry(key)
+        if entry is not None:
+            return entry[0]
+        for tier in self.lower:
+            obj = tier.get(key)
+            if obj is None:
+                continue
+            try:
+                header = validate_object(obj, key)
+            except FormatError as e:
+                log.debug("%s: %s rejected %s: %s", self.name, tier.name, key, e)
+                self._count("read_errors")
+                self.metrics.inc("kvblend_read_errors", 1, tier.name)
+                continue
+            self.metrics.inc("kvblend_bytes_out", len(obj), tier.name)
+            ref = self._store_host(key, obj, header.header_end)
+            self._count("promotions")
+            if prefetch:
+                with self._lock:
+                    self._prefetched.add(key)
+            if tier is not self.disk and self.disk is not None:
+                self._write(self.disk, key, obj)
+            return ref
+        return None
+
+    def _promote_async(self, key: ChunkKey) -> None:
+        with self._lock:
+            if key in self._promoting:
+                return
+            fut = self._pool.submit(self._promote, key, True)
+            self._promoting[key] = fut
+        self._count("prefetch_started")
+        self.metrics.inc("kvblend_prefetch_started")
+        fut.add_done_callback(lambda _f, k=key: self._promoting.pop(k, None))
+
+    def _write(self, tier, key: ChunkKey, obj) -> bool:
+        try:
+            ok = tier.put(key, obj)
+        except Exception as e:  # noqa: BLE001 - a failing tier must not kill the shard
+            log.debug("%s: put to %s failed: %s", self.name, tier.name, e)
+            ok = False
+        if ok:
+            self.metrics.inc("kvblend_bytes_in", len(obj), tier.name)
+        else:
+            self._count("write_errors")
+        return ok
+
+    def _write_down(self, key: ChunkKey, arr: np.ndarray, header) -> None:
+        try:
+            lower = lower_object(arr, header, self.cfg.compression)
+        except FormatError:
+            self._count("write_errors")
+            return
+        for tier in self.lower:
+            if not tier.contains([key])[0]:
+                self._write(tier, key, lower)
+
+    # -- actor methods -----------------------------------------------------------------------
+    def ready(self) -> dict:
+        """Identity of this shard: name, node id, pid, disk path."""
+        return {"name": self.name, "node_id": self.node_id, "pid": os.getpid(),
+                "disk_path": self.disk.path if self.disk is not None else "",
+                "tiers": [t.name for t in [self.host, *self.lower]]}
+
+    def lookup(self, keys: Sequence[str], prefetch: bool = True) -> list[tuple | None]:
+        """Which of ``keys`` this shard can serve, with each hit's header bytes.
+
+        Returns:
+            Per key ``(tier name, prefix+header bytes, [ObjectRef] or None)`` or None. The
+            header is a few KB (the client parses it with :func:`tiers.format.parse_header`);
+            the ref comes with host-memory hits, so the client's first layer read needs no
+            further call. Hits below host memory start a background promotion when
+            ``prefetch``.
+        """
+        t0 = time.perf_counter()
+        out: list[tuple | None] = []
+        for text in keys:
+            key = ChunkKey.parse(text)
+            self._count("lookups")
+            entry = self._host_entry(key)
+            if entry is not None:
+                out.append(("host", entry[1], [entry[0]]))
+                self._count("hits_host")
+                self.metrics.inc("kvblend_hits", 1, "host")
+                continue
+            found = None
+            for tier in self.lower:
+                header = read_header(tier, key)
+                if header is None:
+                    continue
+                got = tier.get_ranges(key, [(0, header.header_end)])
+                if got is None:
+                    continue
+                found = (tier.name, bytes(got[0]), None)
+                break
+            if found is None:
+                out.append(None)
+                self._count("misses")
+                self.metrics.inc("kvblend_misses")
+                continue
+            out.append(found)
+            self._count(f"hits_{found[0]}")
+            self.metrics.inc("kvblend_hits", 1, found[0])
+            if prefetch:
+                self._promote_async(key)
+        self.metrics.observe("kvblend_lookup_latency_ms", (time.perf_counter() - t0) * 1e3)
+        return out
+
+    def get_refs(self, keys: Sequence[str], timeout_s: float = 5.0) -> list[list | None]:
+        """Object refs of the whole chunk objects, promoting from lower tiers as needed.
+
+        Returns:
+            Per key ``[ObjectRef]`` (a numpy ``uint8`` array of the encoded object) or None.
+        """
+        t0 = time.perf_counter()
+        out: list[list | None] = []
+        for text in keys:
+            key = ChunkKey.parse(text)
+            entry = self._host_entry(key)
+            if entry is not None:
+                with self._lock:
+                    was_prefetched = key in self._prefetched
+                    self._prefetched.discard(key)
+                if was_prefetched:
+                    self._count("prefetch_hits")
+                    self.metrics.inc("kvblend_prefetch_hits")
+                out.append([entry[0]])
+                continue
+            fut = self._promoting.get(key)
+            ref = None
+            if fut is not None:
+                try:
+                    ref = fut.result(timeout=timeout_s)
+                except Exception:  # noqa: BLE001 - timeout or tier failure: a miss
+                    ref = None
+            if ref is None:
+                ref = self._promote(key, False)
+            out.append([ref] if ref is not None else None)
+        self.metrics.observe("kvblend_get_latency_ms", (time.perf_counter() - t0) * 1e3)
+        return out
+
+    def put(self, key_text: str, obj: np.ndarray) -> bool:
+        """Store one encoded chunk object (numpy ``uint8``; idempotent, first wins).
+
+        The object is validated (header names ``key_text``; every layer's checksum) before
+        anything is stored; a bad object returns False and counts ``put_rejected``. Host
+        memory is written before returning, lower tiers in the background (see ``drain``).
+        """
+        key = ChunkKey.parse(key_text)
+        if self.host.contains([key])[0]:
+            return True
+        try:
+            header = validate_object(obj, key)
+        except FormatError as e:
+            log.warning("%s: rejected put of %s: %s", self.name, key, e)
+            self._count("put_rejected")
+            return False
+        self._count("puts")
+        stored = self._store_host(key, obj, header.header_end) is not None
+        if self.lower:
+            fut = self._pool.submit(self._write_down, key, obj, header)
+            with self._lock:
+                self._writes.add(fut)
+            fut.add_done_callback(self._writes.discard)
+        return stored or bool(self.lower)
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait for background writes to lower tiers; True when none is left pending."""
+        with self._lock:
+            pending = list(self._writes)
+        _, not_done = wait_futures(pending, timeout=timeout_s)
+        return not not_done
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is in any of this shard's tiers (no promotion)."""
+        parsed = [ChunkKey.parse(k) for k in keys]
+        found = self.host.contains(parsed)
+        for tier in self.lower:
+            rest = [i for i, f in enumerate(found) if not f]
+            if not rest:
+                break
+            got = tier.contains([parsed[i] for i in rest])
+            for i, g in zip(rest, got):
+                found[i] = g
+        return found
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove keys from every tier of this shard (shared tiers included); returns how many
+        keys were present anywhere."""
+        parsed = [ChunkKey.parse(k) for k in keys]
+        present = self.contains(keys)
+        for tier in [self.host, *self.lower]:
+            try:
+                tier.delete(parsed)
+            except Exception as e:  # noqa: BLE001
+                log.debug("%s: delete on %s failed: %s", self.name, tier.name, e)
+        return sum(present)
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Delete every chunk (of ``namespace`` when given) from host and disk, and from the
+        shared tiers when they can list keys; returns the number of keys deleted."""
+        n = 0
+        for tier in [self.host, *self.lower]:
+            lister = getattr(tier, "keys", None)
+            if lister is None:
+                continue
+            try:
+                keys = [k for k in lister() if namespace is None or k.namespace == namespace]
+                n += tier.delete(keys)
+            except Exception as e:  # noqa: BLE001
+                log.debug("%s: clear on %s failed: %s", self.name, tier.name, e)
+        with self._lock:
+            self._prefetched.clear()
+        return n
+
+    def stats(self) -> dict:
+        """Identity, counters and every tier's ``stats()`` (also published as gauges)."""
+        tiers = {}
+        for tier in [self.host, *self.lower]:
+            try:
+                tiers[tier.name] = tier.stats()
+            except Exception as e:  # noqa: BLE001
+                tiers[tier.name] = {"error": str(e)}
+        with self._lock:
+            counters = dict(self.counters)
+        return {**self.ready(), "uptime_s": time.time() - self.started_at,
+                "counters": counters, "tiers": tiers}
+
+    def _publish_loop(self) -> None:
+        while True:
+            for tier in [self.host, *self.lower]:
+                try:
+                    self.metrics.tier_stats(tier.name, tier.stats())
+                except Exception:  # noqa: BLE001
+                    pass
+            time.sleep(2.0)
+
+
+def start_shards(config, timeout_s: float = 60.0) -> list[str]:
+    """Create (idempotently) the shard actors on every alive node with ``shard_resource``.
+
+    Args:
+        config: a :class:`cluster.config.KVBlendConfig`; Ray must be initialised.
+        timeout_s: how long to wait for every shard's ``ready()``.
+
+    Returns:
+        The names of the shards that answered ``ready()``.
+
+    Raises:
+        RuntimeError: no node advertises ``shard_resource``.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from cluster.config import cache_dir
+
+    c = config.cluster
+    disk_root = config.tiers.disk_path or os.path.join(cache_dir(config), "disk")
+    actor_cls = ray.remote(CacheShard)
+    handles = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        if c.shard_resource and res.get(c.shard_resource, 0) <= 0:
+            continue
+        node_id = node["NodeID"]
+        amount = {c.shard_resource: res[c.shard_resource] / c.shards_per_node} if c.shard_resource else {}
+        for i in range(c.shards_per_node):
+            name = shard_name(node_id, i)
+            handles[name] = actor_cls.options(
+                name=name, namespace=c.ray_namespace, lifetime="detached", get_if_exists=True,
+                max_restarts=-1, max_task_retries=0, max_concurrency=16, num_cpus=0,
+                resources=amount,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(name, config.tiers, disk_root, c.metrics)
+    if not handles:
+        raise RuntimeError(f"no alive Ray node advertises the resource {c.shard_resource!r}; start "
+                           f"nodes with --resources '{{\"{c.shard_resource}\": 1}}'")
+    ready = {name: h.ready.remote() for name, h in handles.items()}
+    names = []
+    for name, ref in ready.items():
+        try:
+            ray.get(ref, timeout=timeout_s)
+            names.append(name)
+        except Exception as e:  # noqa: BLE001 - report, keep the others
+            log.warning("shard %s not ready: %s", name, e)
+    return sorted(names)

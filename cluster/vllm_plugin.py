@@ -1,0 +1,36 @@
+"""vLLM general plugin ``kvblend`` (entry point ``vllm.general_plugins``: ``cluster.vllm_plugin:register``).
+
+vLLM calls :func:`register` in each of its processes (front end, engine core, workers) before
+it builds a model. It does two things, both through public vLLM APIs:
+
+* registers :class:`cluster.connector.KVBlendConnector` with ``KVConnectorFactory`` under the
+  short name ``KVBlendConnector``, so ``--kv-transfer-config '{"kv_connector":"KVBlendConnector",
+  "kv_role":"kv_both"}'`` works without ``kv_connector_module_path``;
+* re-registers the architectures of :data:`cluster.vllm_model.TRACKED_ARCHITECTURES` with
+  ``ModelRegistry`` as tracking subclasses (lazily, by ``module:class`` string), the hook by
+  which the worker-side connector reaches the model (see :mod:`cluster.vllm_model`).
+
+Both are idempotent; importing this module imports no vLLM code.
+"""
+
+from __future__ import annotations
+
+CONNECTOR_NAME = "KVBlendConnector"
+_registered = False
+
+
+def register() -> None:
+    """Register the kvblend connector and the model-tracking classes with vLLM (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from vllm import ModelRegistry
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "cluster.connector", "KVBlendConnector")
+    from cluster.vllm_model import TRACKED_ARCHITECTURES
+
+    for arch, cls_name in TRACKED_ARCHITECTURES.items():
+        ModelRegistry.register_model(arch, f"cluster.vllm_model:{cls_name}")
+    _registered = True

@@ -1,0 +1,239 @@
+{{/* Names ---------------------------------------------------------------------------- */}}
+
+{{- define "kvblend.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Kept to 40 characters: KubeRay derives pod and service names from the RayCluster name. */}}
+{{- define "kvblend.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvblend.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvblend.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvblend.labels" -}}
+helm.sh/chart: {{ include "kvblend.chart" . }}
+{{ include "kvblend.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvblend
+{{- end -}}
+
+{{/* Labels of one component: (dict "ctx" $ "component" "ray-head") */}}
+{{- define "kvblend.componentLabels" -}}
+{{ include "kvblend.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvblend.componentSelector" -}}
+{{ include "kvblend.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kvblend.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvblend.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The chart's own Service in front of the Ray head (GCS 6379, dashboard 8265). */}}
+{{- define "kvblend.headService" -}}
+{{- printf "%s-head" (include "kvblend.fullname" .) -}}
+{{- end -}}
+
+{{- define "kvblend.rayAddress" -}}
+{{- printf "%s.%s.svc:6379" (include "kvblend.headService" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "kvblend.rayTokenSecret" -}}
+{{- default (printf "%s-ray-token" (include "kvblend.fullname" .)) .Values.rayAuth.existingSecret -}}
+{{- end -}}
+
+{{- define "kvblend.redisInternalName" -}}
+{{- printf "%s-redis" (include "kvblend.fullname" .) -}}
+{{- end -}}
+
+{{/* Sizes --------------------------------------------------------------------------------
+GiB (float) -> whole MiB, rounded up, as a Kubernetes quantity. */}}
+{{- define "kvblend.gibToMi" -}}
+{{- printf "%dMi" (mulf . 1024.0 | ceil | int64) -}}
+{{- end -}}
+
+{{/* Ray object store of every Ray node the chart starts, in bytes (ray start takes bytes). */}}
+{{- define "kvblend.objectStoreBytes" -}}
+{{- printf "%d" (mulf .Values.kvblend.config.object_store_gib 1073741824.0 | floor | int64) -}}
+{{- end -}}
+
+{{/* /dev/shm of a Ray node: the object store lives there; 10% + 256 MiB of slack. */}}
+{{- define "kvblend.rayShmGiB" -}}
+{{- addf (mulf .Values.kvblend.config.object_store_gib 1.1) 0.25 -}}
+{{- end -}}
+
+{{/* Shard pod memory: host tier of every shard on the node + /dev/shm + overhead. */}}
+{{- define "kvblend.shardMemoryGiB" -}}
+{{- $c := .Values.kvblend.config -}}
+{{- addf (mulf $c.host_size_gib $c.shards_per_node) (include "kvblend.rayShmGiB" . | float64) .Values.shards.memoryOverheadGiB -}}
+{{- end -}}
+
+{{/* Shard disk volume: the disk tier of every shard on the node + 10% for partial files. */}}
+{{- define "kvblend.shardDiskGiB" -}}
+{{- $c := .Values.kvblend.config -}}
+{{- addf (mulf $c.disk_size_gib $c.shards_per_node 1.1) 1.0 -}}
+{{- end -}}
+
+{{- define "kvblend.headMemoryGiB" -}}
+{{- addf (include "kvblend.rayShmGiB" . | float64) .Values.head.memoryOverheadGiB -}}
+{{- end -}}
+
+{{/* Redis --------------------------------------------------------------------------------
+redis_url as written to the ConfigMap: never with a password (that comes through
+KVBLEND_REDIS_URL, built by Kubernetes from a secretKeyRef variable). */}}
+{{- define "kvblend.redisHostPortDb" -}}
+{{- if eq .Values.redis.mode "internal" -}}
+{{- printf "%s.%s.svc:6379/0" (include "kvblend.redisInternalName" .) .Release.Namespace -}}
+{{- else if eq .Values.redis.mode "external" -}}
+{{- printf "%s:%d/%d" .Values.redis.external.host (int .Values.redis.external.port) (int .Values.redis.external.db) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.redisScheme" -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.tls -}}rediss{{- else -}}redis{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.redisUrl" -}}
+{{- if ne .Values.redis.mode "none" -}}
+{{- printf "%s://%s" (include "kvblend.redisScheme" .) (include "kvblend.redisHostPortDb" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* (secret name, key) of the Redis password, or empty. */}}
+{{- define "kvblend.redisPasswordSecret" -}}
+{{- if eq .Values.redis.mode "internal" -}}
+{{- include "kvblend.redisInternalName" . -}}
+{{- else if and (eq .Values.redis.mode "external") .Values.redis.external.passwordSecret.name -}}
+{{- .Values.redis.external.passwordSecret.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.redisPasswordKey" -}}
+{{- if eq .Values.redis.mode "internal" -}}password{{- else -}}{{ .Values.redis.external.passwordSecret.key }}{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.s3Url" -}}
+{{- if .Values.s3.enabled -}}
+{{- if .Values.s3.prefix -}}
+{{- printf "s3://%s/%s" .Values.s3.bucket .Values.s3.prefix -}}
+{{- else -}}
+{{- printf "s3://%s" .Values.s3.bucket -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment of every kvblend process: config file, Ray token, tier credentials.
+Secrets only through secretKeyRef. */}}
+{{- define "kvblend.env" -}}
+- name: KVBLEND_CONFIG
+  value: /etc/kvblend/kvblend.yaml
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: RAY_HEAD_ADDRESS
+  value: {{ include "kvblend.rayAddress" . | quote }}
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- if .Values.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvblend.rayTokenSecret" . }}
+      key: {{ .Values.rayAuth.secretKey }}
+{{- end }}
+{{- $pwSecret := include "kvblend.redisPasswordSecret" . }}
+{{- if $pwSecret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $pwSecret }}
+      key: {{ include "kvblend.redisPasswordKey" . }}
+{{- /* Kubernetes expands $(REDIS_PASSWORD) here; the env var overrides the file's redis_url. */}}
+- name: KVBLEND_REDIS_URL
+  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s" (include "kvblend.redisScheme" .) (include "kvblend.redisHostPortDb" .) | quote }}
+{{- end }}
+{{- if and .Values.s3.enabled .Values.s3.credentialsSecret.name }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.s3.credentialsSecret.name }}
+      key: {{ .Values.s3.credentialsSecret.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.s3.credentialsSecret.name }}
+      key: {{ .Values.s3.credentialsSecret.secretAccessKeyKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvblend.configVolumeMount" -}}
+- name: kvblend-config
+  mountPath: /etc/kvblend
+  readOnly: true
+{{- end -}}
+
+{{- define "kvblend.configVolume" -}}
+- name: kvblend-config
+  configMap:
+    name: {{ include "kvblend.fullname" . }}-config
+{{- end -}}
+
+{{/* A Memory-backed /dev/shm of the given size in GiB. */}}
+{{- define "kvblend.shmVolume" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ include "kvblend.gibToMi" . }}
+{{- end -}}
+
+{{- define "kvblend.podSecurityContext" -}}
+{{ toYaml .Values.podSecurityContext }}
+{{- end -}}
+
+{{- define "kvblend.containerSecurityContext" -}}
+{{ toYaml .Values.containerSecurityContext }}
+{{- end -}}
+
+{{/* KubeRay prerequisite: fail a real install when the RayCluster API is missing.
+Offline (`helm template`, `helm lint`) `lookup` returns nothing, so the check never runs
+there; against a cluster the release namespace's default ServiceAccount always exists. */}}
+{{- define "kvblend.requireKubeRay" -}}
+{{- if .Values.kuberay.checkCRD -}}
+{{- $live := lookup "v1" "ServiceAccount" .Release.Namespace "default" -}}
+{{- if and $live (not (.Capabilities.APIVersions.Has "ray.io/v1/RayCluster")) -}}
+{{- fail "kvblend needs the KubeRay operator (>= 1.1): this cluster has no ray.io/v1 RayCluster API (CRD rayclusters.ray.io). Install it first: `helm repo add kuberay https://ray-project.github.io/kuberay-helm/ && helm install kuberay-operator kuberay/kuberay-operator`, then install kvblend again. (Set kuberay.checkCRD=false to skip this check.)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,339 @@
+"""The disk tier: one file per chunk object under a directory, with a byte capacity.
+
+Layout: ``<path>/<content[:2]>/<namespace>.<kind>.<content>.kvbc`` (256-way fan-out by the
+content hash so no directory grows huge). File names carry the whole key, so the index is
+rebuilt from a directory scan at start-up: a restart loses nothing (recency order is
+restored from file mtimes; LFU counts restart at 1).
+
+Writes are atomic and first-wins: the object goes to a unique temporary file in the target
+directory, is ``fsync``-ed, then hard-linked to its final name (``os.link`` fails if the
+name exists, so the first complete object wins even across processes) and the directory is
+fsync-ed. A reader opens a final name only, which always holds a complete object; an
+evicted file stays readable through descriptors already open. Reads use ``os.pread`` /
+``os.preadv`` (straight into the caller's buffer with :meth:`DiskTier.get_ranges_into`).
+
+Failure behaviour: local file I/O is synchronous and has no timeout. Any ``OSError`` (a
+vanished file, EIO, ENOSPC, permissions) is a miss / a failed put (``False``), logged at
+debug level and counted in ``stats()['errors']``; nothing raises to the caller except
+caller mistakes (``ValueError``). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+from tiers.eviction import EvictionIndex
+from tiers.keys import ChunkKey
+from tiers.tier import Buffer
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = ".kvbc"
+_TMP_PREFIX = ".tmp-"
+_STALE_TMP_S = 3600.0
+_COUNTERS = ("hits", "misses", "errors", "puts", "evictions", "bytes_read", "bytes_written")
+
+
+class DiskTier:
+    """Files of chunk objects under ``path`` (see module docstring).
+
+    Args:
+        path: directory (created if missing).
+        capacity_bytes: most bytes of object files kept; LRU/LFU eviction beyond it.
+        policy: ``"lru"`` or ``"lfu"``.
+        fsync: fsync each file and its directory on put (durable across power loss); turn
+            off only for throwaway caches.
+        name: tier name in stats.
+
+    Raises:
+        ValueError: negative capacity or unknown policy.
+        OSError: ``path`` cannot be created or listed (start-up only).
+    """
+
+    def __init__(self, path: str, capacity_bytes: int, policy: str = "lru", *,
+                 fsync: bool = True, name: str = "disk") -> None:
+        self.name = name
+        self.path = os.path.abspath(path)
+        self.fsync = fsync
+        self._index = EvictionIndex(capacity_bytes, policy)
+        self._pending: set[ChunkKey] = set()
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(_COUNTERS, 0)
+        os.makedirs(self.path, exist_ok=True)
+        self._rebuild()
+
+    # -- paths and index -------------------------------------------------------------------
+    def _file(self, key: ChunkKey) -> str:
+        return os.path.join(self.path, key.content[:2], f"{key.namespace}.{key.kind}.{key.content}{_SUFFIX}")
+
+    def _rebuild(self) -> None:
+        found: list[tuple[float, ChunkKey, int, str]] = []
+        now = time.time()
+        for sub in os.scandir(self.path):
+            if not sub.is_dir():
+                continue
+            for ent in os.scandir(sub.path):
+                try:
+                    st = ent.stat()
+                except OSError:
+                    continue
+                if ent.name.startswith(_TMP_PREFIX):
+                    if now - st.st_mtime > _STALE_TMP_S:  # left by a crashed writer
+                        _unlink(ent.path)
+                    continue
+                if not ent.name.endswith(_SUFFIX):
+                    continue
+                parts = ent.name[:-len(_SUFFIX)].split(".")
+                try:
+                    key = ChunkKey(*parts) if len(parts) == 3 else None
+                except ValueError:
+                    key = None
+                if key is None or self._file(key) != ent.path:
+                    log.warning("disk tier %s: ignoring foreign file %s", self.path, ent.path)
+                    continue
+                found.append((st.st_mtime, key, st.st_size, ent.path))
+        found.sort(key=lambda t: t[0])  # oldest first = first LRU victim
+        for _mtime, key, size, path in found:
+            victims = self._index.admit(key, size)
+            if victims is None:  # over capacity (capacity shrank since last run)
+                _unlink(path)
+                continue
+            for v in victims:
+                _unlink(self._file(v))
+                self._stats["evictions"] += 1
+        log.info("disk tier %s: %d chunks, %d bytes after rebuild", self.path,
+                 len(self._index), self._index.used_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity_bytes
+
+    def _ready(self, key: ChunkKey) -> bool:
+        return key in self._index and key not in self._pending
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
+
+    # -- Tier ----------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [self._ready(k) for k in keys]
+
+    def put(self, key: ChunkKey, obj: Buffer) -> bool:
+        """Write ``obj`` atomically (first wins). False when it cannot fit without evicting
+        pinned chunks or on an I/O error (counted)."""
+        view = memoryview(obj).cast("B")
+        nbytes = view.nbytes
+        with self._lock:
+            if key in self._index:
+                return True
+            victims = self._index.admit(key, nbytes)
+            if victims is None:
+                return False
+            self._index.pin(key)  # a concurrent put must not evict a half-written file
+            self._pending.add(key)
+            for v in victims:
+                _unlink(self._file(v))
+            self._stats["evictions"] += len(victims)
+        final = self._file(key)
+        tmp = os.path.join(os.path.dirname(final), f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+        ok = False
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                written = 0
+                while written < nbytes:
+                    written += os.write(fd, view[written:])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                pass  # another process stored the complete object first
+            if self.fsync:
+                _fsync_dir(os.path.dirname(final))
+            ok = True
+        except OSError as e:
+            log.debug("disk tier put %s failed: %s", key, e)
+        finally:
+            _unlink(tmp)
+        with self._lock:
+            self._pending.discard(key)
+            self._index.unpin(key)
+            if ok:
+                self._stats["puts"] += 1
+                self._stats["bytes_written"] += nbytes
+            else:
+                self._index.remove(key)
+                self._stats["errors"] += 1
+        return ok
+
+    def _open(self, key: ChunkKey) -> int | None:
+        with self._lock:
+            if not self._ready(key):
+                self._stats["misses"] += 1
+                return None
+            self._index.touch(key)
+        try:
+            return os.open(self._file(key), os.O_RDONLY)
+        except OSError as e:
+            log.debug("disk tier open %s failed: %s", key, e)
+            with self._lock:
+                self._stats["errors"] += 1
+                if isinstance(e, FileNotFoundError):  # removed behind our back
+                    self._index.remove(key)
+            return None
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        """The whole object (one read), or None."""
+        fd = self._open(key)
+        if fd is None:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, size, 0)
+            if len(data) != size:
+                raise OSError(f"short read {len(data)}/{size}")
+        except OSError as e:
+            log.debug("disk tier read %s failed: %s", key, e)
+            self._count("errors")
+            return None
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._stats["hits"] += 1
+            self._stats["bytes_read"] += size
+        return data
+
+    def head(self, key: ChunkKey, max_bytes: int) -> bytes | None:
+        """The first ``min(max_bytes, size)`` bytes, or None."""
+        fd = self._open(key)
+        if fd is None:
+            return None
+        try:
+            data = os.pread(fd, max_bytes, 0)
+        except OSError:
+            self._count("errors")
+            return None
+        finally:
+            os.close(fd)
+        self._count("bytes_read", len(data))
+        return data
+
+    def get_ranges(self, key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[bytearray] | None:
+        """Bytes of each ``(offset, length)``, or None (a miss; a range past the end or an
+        I/O error counts ``errors``).
+
+        Raises:
+            ValueError: a negative offset or length.
+        """
+        bufs = [bytearray(length) for _off, length in _checked(ranges)]
+        if not self.get_ranges_into(key, ranges, bufs):
+            return None
+        return bufs  # bytearrays: the caller's own copy
+
+    def get_ranges_into(self, key: ChunkKey, ranges: Sequence[tuple[int, int]],
+                        outs: Sequence[Buffer]) -> bool:
+        """Read each ``(offset, length)`` straight into the matching writable buffer
+        (``os.preadv``, one call per run of adjacent ranges). False on a miss, a range past
+        the end or an I/O error (counted); the buffers' contents are then unspecified.
+
+        Raises:
+            ValueError: bad ranges or a buffer of the wrong size.
+        """
+        views = [memoryview(o).cast("B") for o in outs]
+        if len(views) != len(ranges):
+            raise ValueError(f"{len(ranges)} ranges but {len(views)} buffers")
+        for (off, length), v in zip(_checked(ranges), views):
+            if v.nbytes != length:
+                raise ValueError(f"buffer of {v.nbytes} bytes for a range of {length}")
+        fd = self._open(key)
+        if fd is None:
+            return False
+        total = 0
+        try:
+            i = 0
+            while i < len(ranges):
+                j, end = i + 1, ranges[i][0] + ranges[i][1]
+                while j < len(ranges) and ranges[j][0] == end:
+                    end += ranges[j][1]
+                    j += 1
+                want = end - ranges[i][0]
+                got = os.preadv(fd, views[i:j], ranges[i][0])
+                if got != want:
+                    raise OSError(f"short read {got}/{want} (range past the end?)")
+                total += got
+                i = j
+        except OSError as e:
+            log.debug("disk tier read %s failed: %s", key, e)
+            self._count("errors")
+            return False
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._stats["hits"] += 1
+            self._stats["bytes_read"] += total
+        return True
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                if k in self._index and k not in self._pending:
+                    self._index.remove(k)
+                    _unlink(self._file(k))
+                    n += 1
+        return n
+
+    def pin(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Pin present keys against eviction (nested); returns which were present."""
+        with self._lock:
+            return [self._ready(k) and self._index.pin(k) for k in keys]
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for k in keys:
+                self._index.unpin(k)
+
+    def keys(self) -> list[ChunkKey]:
+        """Stored keys, next victim first under LRU."""
+        with self._lock:
+            return [k for k in self._index.keys() if k not in self._pending]
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {**self._stats, "bytes_used": self._index.used_bytes,
+                    "capacity_bytes": self._index.capacity_bytes, "num_chunks": len(self._index)}
+
+
+def _checked(ranges: Sequence[tuple[int, int]]) -> Sequence[tuple[int, int]]:
+    for off, length in ranges:
+        if off < 0 or length < 0:
+            raise ValueError(f"bad range ({off}, {length})")
+    return ranges
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.debug("unlink %s failed: %s", path, e)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

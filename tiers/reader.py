@@ -1,0 +1,190 @@
+"""Read layers of a chunk object from any :class:`~tiers.tier.Tier` into the caller's buffers.
+
+Every tier serves bytes; this module is where they become trusted KV, once, for all tiers:
+
+1. **Header** — one ranged read of the first :data:`~tiers.format.HEADER_PROBE_BYTES`
+   (clamped to the object's size: a tier's optional ``head(key, max_bytes)`` returns the
+   first ``min(max_bytes, size)`` bytes; tiers without it fall back to ``get_ranges`` and,
+   for objects shorter than the probe, ``get``), validated by
+   :func:`tiers.format.parse_header` against the expected key (namespace included) and
+   format version. A header longer than the probe costs one more ranged read.
+2. **Layers** — exactly the wanted layers' byte ranges, in one ``get_ranges`` call (or,
+   when the tier has ``get_ranges_into`` and the layer is stored raw, straight into the
+   caller's buffer: disk ``preadv`` with no intermediate copy).
+3. **Check and decode** — XXH3-64 of each stored payload, lz4 decompression where the
+   header says so, into the caller's ``[2, T, H, D]`` buffer.
+
+Failure behaviour: a missing object, an I/O error or timeout of the tier, or anything
+:class:`~tiers.format.FormatError` covers (truncated, flipped byte, foreign namespace, newer
+version, lz4 garbage) is a miss: functions return ``None`` and count it in the
+:class:`ReadCounters` given (``misses`` / ``corrupt``). Only caller mistakes raise
+(``ValueError`` for a wrong-sized or read-only output buffer). On a miss the output
+buffers' contents are unspecified (possibly partly written); never use them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import xxhash
+
+from tiers.format import (CODEC_RAW, HEADER_PROBE_BYTES, PREFIX_BYTES, ChunkHeader, FormatError,
+                          decode_layer, parse_header, parse_prefix)
+from tiers.keys import ChunkKey
+from tiers.tier import Buffer, Tier
+
+log = logging.getLogger(__name__)
+
+
+class ReadCounters:
+    """Thread-safe counters of reads: ``hits``, ``misses`` (absent or tier error) and
+    ``corrupt`` (present but rejected by the format checks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values = {"hits": 0, "misses": 0, "corrupt": 0}
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.values[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
+
+def _head(tier: Tier, key: ChunkKey, nbytes: int) -> Buffer | None:
+    head = getattr(tier, "head", None)
+    if head is not None:
+        return head(key, nbytes)
+    got = tier.get_ranges(key, [(0, nbytes)])
+    if got is not None:
+        return got[0]
+    return tier.get(key)  # shorter than the probe (or absent)
+
+
+def read_header(tier: Tier, key: ChunkKey, counters: ReadCounters | None = None) -> ChunkHeader | None:
+    """Fetch and validate the header of ``key``'s object; None on a miss (counted)."""
+    buf = _head(tier, key, HEADER_PROBE_BYTES)
+    if buf is None or len(buf) == 0:
+        _count(counters, "misses")
+        return None
+    try:
+        try:
+            return parse_header(buf, expected_key=key)
+        except FormatError as e:
+            if "truncated header" not in str(e) or len(buf) < HEADER_PROBE_BYTES:
+                raise
+        # a header longer than the probe: read exactly the prefix + header
+        end = PREFIX_BYTES + parse_prefix(buf)
+        got = tier.get_ranges(key, [(0, end)])
+        if got is None:
+            _count(counters, "misses")
+            return None
+        return parse_header(got[0], expected_key=key)
+    except FormatError as e:
+        log.debug("%s: rejected header of %s: %s", getattr(tier, "name", tier), key, e)
+        _count(counters, "corrupt")
+        return None
+
+
+def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequence[Buffer],
+                *, header: ChunkHeader | None = None,
+                counters: ReadCounters | None = None) -> ChunkHeader | None:
+    """Read layers ``layer_idxs`` of ``key`` into ``outs`` (one writable buffer per layer).
+
+    Args:
+        tier: any Tier (optionally with ``head``/``get_ranges_into`` fast paths).
+        layer_idxs: layer indices, each in ``0..L-1`` (an index past the object's layers is
+            a miss: the object does not match what the namespace promised).
+        outs: writable buffers of ``header.layer_nbytes`` bytes each, filled with the raw
+            ``[2, T, H, D]`` layer (K then V, the header's dtype).
+        header: a header already read from this tier for this key (skips the probe).
+
+    Returns:
+        The header on success, None on a miss (see module docstring).
+
+    Raises:
+        ValueError: ``outs`` and ``layer_idxs`` differ in length, or a buffer is read-only
+            or of the wrong size.
+    """
+    if len(outs) != len(layer_idxs):
+        raise ValueError(f"{len(layer_idxs)} layers but {len(outs)} output buffers")
+    views = [memoryview(o).cast("B") for o in outs]
+    for v in views:
+        if v.readonly:
+            raise ValueError("output buffer is read-only")
+    if header is None:
+        header = read_header(tier, key, counters)
+        if header is None:
+            return None
+    for v in views:
+        if v.nbytes != header.layer_nbytes:
+            raise ValueError(f"output buffer of {v.nbytes} bytes, layer is {header.layer_nbytes} "
+                             f"bytes ([2, {header.num_tokens}, {header.num_kv_heads}, "
+                             f"{header.head_dim}] {header.dtype})")
+    if any(not 0 <= i < header.num_layers for i in layer_idxs):
+        log.debug("%s: layer index past %d layers of %s", getattr(tier, "name", tier),
+                  header.num_layers, key)
+        _count(counters, "corrupt")
+        return None
+    entries = [header.layers[i] for i in layer_idxs]
+    ranges = [(e.offset, e.stored_len) for e in entries]
+    into = getattr(tier, "get_ranges_into", None)
+    try:
+        if into is not None and all(e.codec == CODEC_RAW for e in entries):
+            if not into(key, ranges, views):
+                _count(counters, "misses")
+                return None
+            for i, e, v in zip(layer_idxs, entries, views):
+                if xxhash.xxh3_64_intdigest(v) != e.checksum:
+                    raise FormatError(f"layer {i}: checksum mismatch")
+        else:
+            payloads = tier.get_ranges(key, ranges)
+            if payloads is None:
+                _count(counters, "misses")
+                return None
+            for i, p, v in zip(layer_idxs, payloads, views):
+                decode_layer(header, i, p, v)
+    except FormatError as e:
+        log.debug("%s: rejected %s: %s", getattr(tier, "name", tier), key, e)
+        _count(counters, "corrupt")
+        return None
+    _count(counters, "hits")
+    return header
+
+
+def read_layer(tier: Tier, key: ChunkKey, layer_idx: int, *, header: ChunkHeader | None = None,
+               counters: ReadCounters | None = None) -> tuple[ChunkHeader, bytearray] | None:
+    """One layer into a fresh ``bytearray`` (``[2, T, H, D]`` raw bytes), or None."""
+    if header is None:
+        header = read_header(tier, key, counters)
+        if header is None:
+            return None
+    out = bytearray(header.layer_nbytes)
+    if read_layers(tier, key, [layer_idx], [out], header=header, counters=counters) is None:
+        return None
+    return header, out
+
+
+def validate_object(obj: Buffer, key: ChunkKey) -> ChunkHeader:
+    """Check a whole object (header and every layer's checksum/length) without decoding.
+
+    Raises:
+        FormatError: anything wrong with it.
+    """
+    view = memoryview(obj).cast("B")
+    header = parse_header(view, expected_key=key)
+    if header.total_bytes != view.nbytes:
+        raise FormatError(f"object has {view.nbytes} bytes, header says {header.total_bytes}")
+    for i, e in enumerate(header.layers):
+        if xxhash.xxh3_64_intdigest(view[e.offset:e.offset + e.stored_len]) != e.checksum:
+            raise FormatError(f"layer {i}: checksum mismatch")
+    return header
+
+
+def _count(counters: ReadCounters | None, name: str) -> None:
+    if counters is not None:
+        counters.add(name)

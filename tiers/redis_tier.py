@@ -1,0 +1,214 @@
+"""The Redis tier: one self-describing value per chunk object in a Redis server.
+
+* Value = the whole encoded chunk object (:mod:`tiers.format`), under the key
+  ``<key_prefix><namespace>/<kind>/<content>``; no separate metadata keys to orphan.
+* ``put`` is ``SET key value NX [EX ttl]``: atomic and first-wins (Redis applies a SET
+  whole, so readers never see a torn value); an optional TTL bounds how long a chunk lives.
+* Layer reads are ``GETRANGE`` (one pipelined round trip for all ranges of a call); the
+  header probe is one ``GETRANGE 0 HEADER_PROBE_BYTES-1`` (Redis clamps it to the value).
+* ``contains`` pipelines ``EXISTS`` per key: one round trip for the batch.
+* redis-py with hiredis (when installed) and a connection pool; password, db and TLS come
+  from the URL (``redis://:password@host:port/db``, ``rediss://`` for TLS).
+* A value larger than the server's ``proto-max-bulk-len`` (read once with ``CONFIG GET``;
+  512 MiB by default) is refused before sending: logged with both sizes, counted in
+  ``stats()['too_large']`` and ``put`` returns False.
+
+Failure behaviour: every command runs with ``socket_timeout=timeout_s`` (connect too). A
+timeout, a refused connection, a dead or restarting server or any other ``RedisError`` /
+``OSError`` is a miss (``None``/``False``) counted in ``stats()['errors']``; nothing raises
+to the caller except caller mistakes (``ValueError``). The pool reconnects by itself once
+the server is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from tiers.keys import ChunkKey
+from tiers.tier import Buffer
+
+log = logging.getLogger(__name__)
+
+_COUNTERS = ("hits", "misses", "errors", "puts", "too_large", "bytes_read", "bytes_written")
+_DEFAULT_MAX_BULK = 512 * 1024 * 1024
+
+
+class RedisTier:
+    """Chunk objects in Redis (see module docstring).
+
+    Args:
+        url: ``redis://[:password@]host:port/db`` or ``rediss://...`` (TLS).
+        ttl_s: seconds a stored chunk lives (0 = no expiry).
+        timeout_s: socket connect and command timeout in seconds.
+        key_prefix: prepended to every Redis key (to share one server between deployments).
+        max_connections: size of the connection pool.
+        name: tier name in stats.
+
+    Raises:
+        ValueError: a malformed URL, negative ttl or non-positive timeout.
+    """
+
+    def __init__(self, url: str, ttl_s: int = 0, timeout_s: float = 5.0, *,
+                 key_prefix: str = "kvblend:", max_connections: int = 32,
+                 name: str = "redis") -> None:
+        import redis  # heavy-ish; only deployments with a Redis tier pay for it
+
+        if ttl_s < 0:
+            raise ValueError(f"ttl_s={ttl_s} must be >= 0")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        self.name = name
+        self.ttl_s = int(ttl_s)
+        self.key_prefix = key_prefix
+        self._redis_mod = redis
+        try:
+            self._client = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                max_connections=max_connections, retry_on_timeout=False)
+        except ValueError as e:
+            raise ValueError(f"redis url is malformed: {e}") from None
+        self._max_bulk: int | None = None
+        self._lock = threading.Lock()
+        self._stats = dict.fromkeys(_COUNTERS, 0)
+
+    def _rkey(self, key: ChunkKey) -> str:
+        return f"{self.key_prefix}{key}"
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
+
+    def _error(self, op: str, key: object, e: Exception) -> None:
+        # Never log the URL (it may carry a password); the exception text does not.
+        log.debug("redis tier %s %s failed: %s: %s", op, key, type(e).__name__, e)
+        self._count("errors")
+
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        return (self._redis_mod.RedisError, OSError)
+
+    def max_value_bytes(self) -> int:
+        """The server's ``proto-max-bulk-len`` (cached; the default when CONFIG is disabled).
+
+        Raises:
+            redis.RedisError/OSError: the server is unreachable (callers catch it).
+        """
+        if self._max_bulk is None:
+            try:
+                got = self._client.config_get("proto-max-bulk-len")
+                self._max_bulk = int(got.get("proto-max-bulk-len", _DEFAULT_MAX_BULK))
+            except self._redis_mod.ResponseError:  # CONFIG renamed/disabled (managed Redis)
+                self._max_bulk = _DEFAULT_MAX_BULK
+        return self._max_bulk
+
+    # -- Tier ----------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._rkey(k))
+            return [bool(n) for n in pipe.execute()]
+        except self._errors() as e:
+            self._error("contains", f"{len(keys)} keys", e)
+            return [False] * len(keys)
+
+    def put(self, key: ChunkKey, obj: Buffer) -> bool:
+        """``SET NX`` (first wins; True also when the key was already there). False on an
+        error or when the object exceeds ``proto-max-bulk-len`` (both counted)."""
+        view = memoryview(obj).cast("B")
+        try:
+            limit = self.max_value_bytes()
+            if view.nbytes > limit:
+                log.error("redis tier: chunk %s is %d bytes, over the server's proto-max-bulk-len "
+                          "of %d bytes; not stored (raise proto-max-bulk-len or use smaller chunks)",
+                          key, view.nbytes, limit)
+                self._count("too_large")
+                return False
+            self._client.set(self._rkey(key), view, nx=True, ex=self.ttl_s or None)
+        except self._errors() as e:
+            self._error("put", key, e)
+            return False
+        with self._lock:
+            self._stats["puts"] += 1
+            self._stats["bytes_written"] += view.nbytes
+        return True
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        try:
+            data = self._client.get(self._rkey(key))
+        except self._errors() as e:
+            self._error("get", key, e)
+            return None
+        self._record(data)
+        return data
+
+    def head(self, key: ChunkKey, max_bytes: int) -> bytes | None:
+        """The first ``min(max_bytes, size)`` bytes (one GETRANGE), or None."""
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes={max_bytes} must be positive")
+        try:
+            data = self._client.getrange(self._rkey(key), 0, max_bytes - 1)
+        except self._errors() as e:
+            self._error("head", key, e)
+            return None
+        self._record(data or None)  # GETRANGE of a missing key is b""
+        return data or None
+
+    def get_ranges(self, key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        """GETRANGE per ``(offset, length)`` in one pipelined round trip; None on a miss or
+        error, or when a range runs past the end of the value (counted in ``errors``).
+
+        Raises:
+            ValueError: a negative offset or length.
+        """
+        for off, length in ranges:
+            if off < 0 or length < 0:
+                raise ValueError(f"bad range ({off}, {length})")
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for off, length in ranges:
+                pipe.getrange(self._rkey(key), off, off + length - 1)
+            got = pipe.execute()
+        except self._errors() as e:
+            self._error("get_ranges", key, e)
+            return None
+        for (_off, length), data in zip(ranges, got):
+            if len(data) != length:
+                if len(data) == 0 and length > 0:
+                    self._record(None)  # absent (or evicted by TTL meanwhile)
+                else:
+                    self._count("errors")  # range past the end
+                return None
+        with self._lock:
+            self._stats["hits"] += 1
+            self._stats["bytes_read"] += sum(len(d) for d in got)
+        return got
+
+    def _record(self, data: bytes | None) -> None:
+        with self._lock:
+            if data is None:
+                self._stats["misses"] += 1
+            else:
+                self._stats["hits"] += 1
+                self._stats["bytes_read"] += len(data)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(self._client.delete(*[self._rkey(k) for k in keys]))
+        except self._errors() as e:
+            self._error("delete", f"{len(keys)} keys", e)
+            return 0
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            # the server owns capacity and usage (maxmemory, TTL); not tracked here
+            return {**self._stats, "evictions": 0, "bytes_used": 0, "capacity_bytes": 0, "num_chunks": 0}
+
+    def close(self) -> None:
+        """Release the pooled connections."""
+        self._client.close()
