@@ -81,20 +81,33 @@ GiB (float) -> whole MiB, rounded up, as a Kubernetes quantity. */}}
 {{- printf "%dMi" (mulf . 1024.0 | ceil | int64) -}}
 {{- end -}}
 
-{{/* Ray object store of every Ray node the chart starts, in bytes (ray start takes bytes). */}}
-{{- define "kvblend.objectStoreBytes" -}}
-{{- printf "%d" (mulf .Values.kvblend.config.object_store_gib 1073741824.0 | floor | int64) -}}
+{{/* A Ray object store size in GiB -> bytes (ray start takes bytes). Shard nodes use
+kvblend.config.object_store_gib (their host tier lives in it); the head and vLLM nodes have
+their own, smaller sizes. */}}
+{{- define "kvblend.bytes" -}}
+{{- printf "%d" (mulf . 1073741824.0 | floor | int64) -}}
 {{- end -}}
 
-{{/* /dev/shm of a Ray node: the object store lives there; 10% + 256 MiB of slack. */}}
+{{/* /dev/shm of a Ray node with an object store of this many GiB: the object store lives
+there; 10% + 256 MiB of slack. */}}
 {{- define "kvblend.rayShmGiB" -}}
-{{- addf (mulf .Values.kvblend.config.object_store_gib 1.1) 0.25 -}}
+{{- addf (mulf . 1.1) 0.25 -}}
 {{- end -}}
 
-{{/* Shard pod memory: host tier of every shard on the node + /dev/shm + overhead. */}}
+{{/* Shard pod memory: /dev/shm (the object store, which holds the host tier of every shard
+on the node, see cluster/server.py) + overhead (raylet, shard actor processes). */}}
 {{- define "kvblend.shardMemoryGiB" -}}
+{{- addf (include "kvblend.rayShmGiB" .Values.kvblend.config.object_store_gib | float64) .Values.shards.memoryOverheadGiB -}}
+{{- end -}}
+
+{{/* `kvblend server` refuses a host tier larger than the object store that holds it:
+refuse the same values here, at install time, rather than in a crash-looping pod. */}}
+{{- define "kvblend.checkSizes" -}}
 {{- $c := .Values.kvblend.config -}}
-{{- addf (mulf $c.host_size_gib $c.shards_per_node) (include "kvblend.rayShmGiB" . | float64) .Values.shards.memoryOverheadGiB -}}
+{{- $host := mulf $c.host_size_gib $c.shards_per_node -}}
+{{- if gt $host ($c.object_store_gib | float64) -}}
+{{- fail (printf "kvblend.config: host_size_gib (%v) x shards_per_node (%v) = %v GiB exceeds object_store_gib (%v): the Ray object store of a shard node holds its host tier; raise object_store_gib or lower host_size_gib" $c.host_size_gib $c.shards_per_node $host $c.object_store_gib) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Shard disk volume: the disk tier of every shard on the node + 10% for partial files. */}}
@@ -104,7 +117,7 @@ GiB (float) -> whole MiB, rounded up, as a Kubernetes quantity. */}}
 {{- end -}}
 
 {{- define "kvblend.headMemoryGiB" -}}
-{{- addf (include "kvblend.rayShmGiB" . | float64) .Values.head.memoryOverheadGiB -}}
+{{- addf (include "kvblend.rayShmGiB" .Values.head.objectStoreGiB | float64) .Values.head.memoryOverheadGiB -}}
 {{- end -}}
 
 {{/* Redis --------------------------------------------------------------------------------
