@@ -129,6 +129,9 @@ def start_s3(bucket: str | None = None) -> Iterator[tuple[str, str]]:
     saved = {k: os.environ.get(k) for k in _FAKE_CREDENTIALS}
     for k, v in _FAKE_CREDENTIALS.items():
         os.environ.setdefault(k, v)
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

@@ -158,7 +158,9 @@ class DiskTier:
             try:
                 os.link(tmp, final)
             except FileExistsError:
-                pass  # another process stored the complete object first
+                # Another process stored the complete object first (same key, same KV; its
+                # size may differ if it chose other codecs: accounted at ours until restart).
+                pass
             if self.fsync:
                 _fsync_dir(os.path.dirname(final))
             ok = True
@@ -253,7 +255,7 @@ class DiskTier:
         views = [memoryview(o).cast("B") for o in outs]
         if len(views) != len(ranges):
             raise ValueError(f"{len(ranges)} ranges but {len(views)} buffers")
-        for (off, length), v in zip(_checked(ranges), views):
+        for (_off, length), v in zip(_checked(ranges), views, strict=False):
             if v.nbytes != length:
                 raise ValueError(f"buffer of {v.nbytes} bytes for a range of {length}")
         fd = self._open(key)

@@ -210,8 +210,9 @@ def parse_header(buf: bytes | memoryview, expected_key: ChunkKey | None = None) 
             head_dim=int(h["head_dim"]),
             positions=tuple((int(a), int(b)) for a, b in h["positions"]),
             layers=layers, header_end=end)
-    except (ValueError, KeyError, TypeError) as e:
-        raise FormatError(f"malformed header: {e}") from None
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
+        # OverflowError: a number like 1e400 (int(inf)); RecursionError: deeply nested JSON
+        raise FormatError(f"malformed header: {type(e).__name__}: {str(e)[:200]}") from None
     if header.dtype not in DTYPE_BYTES or header.num_layers != len(layers) or header.num_tokens <= 0:
         raise FormatError("inconsistent header")
     if sum(b for _, b in header.positions) != header.num_tokens:

@@ -50,6 +50,8 @@ class GpuTier:
         self._data: dict[ChunkKey, tuple[torch.Tensor, tuple[int, ...] | None]] = {}
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(_COUNTERS, 0)
+        self._staging: torch.Tensor | None = None
+        self._staging_lock = threading.Lock()
 
     def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> bool:
         """Store a copy of ``kv`` on the device (first wins; True if already present).
@@ -67,29 +69,39 @@ class GpuTier:
             raise ValueError(f"kv must be [L, 2, T, H, D], got {tuple(kv.shape)}")
         if positions is not None and len(positions) != kv.shape[2]:
             raise ValueError(f"{len(positions)} positions for {kv.shape[2]} tokens")
-        nbytes = kv.numel() * kv.element_size()
+        return self._store(key, tuple(kv.shape), kv.dtype, lambda dst: (dst.copy_(kv), True)[1],
+                           tuple(positions) if positions is not None else None)
+
+    def _store(self, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype, fill,
+               positions: tuple[int, ...] | None) -> bool:
+        """Reserve room, allocate ``shape``/``dtype`` on the device, ``fill(dst) -> bool``
+        it, and publish it; a failed fill or allocation releases the room."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         with self._lock:
             if key in self._data:
                 return True
             victims = self._index.admit(key, nbytes)
             if victims is None:
                 return False
-            self._index.pin(key)  # reserved: nobody evicts it while we copy
+            self._index.pin(key)  # reserved: nobody evicts it while we fill it
             for v in victims:
-                del self._data[v]
+                self._data.pop(v, None)
             self._stats["evictions"] += len(victims)
+        stored = None
         try:
-            stored = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
-            stored.copy_(kv)
+            stored = torch.empty(shape, dtype=dtype, device=self.device)
+            if not fill(stored):
+                stored = None
         except (RuntimeError, torch.OutOfMemoryError):
+            stored = None
             with self._lock:
-                self._index.unpin(key)
-                self._index.remove(key)
                 self._stats["errors"] += 1
-            return False
         with self._lock:
             self._index.unpin(key)
-            self._data[key] = (stored, tuple(positions) if positions is not None else None)
+            if stored is None:
+                self._index.remove(key)
+                return False
+            self._data[key] = (stored, positions)
             self._stats["puts"] += 1
             self._stats["bytes_written"] += nbytes
         return True
@@ -122,25 +134,49 @@ class GpuTier:
             return None if entry is None else entry[1]
 
     def load(self, tier: Tier, key: ChunkKey, counters: ReadCounters | None = None) -> bool:
-        """Read all layers of ``key`` from a byte ``tier`` and :meth:`put` them here.
+        """Read all layers of ``key`` from a byte ``tier`` into the pool.
 
-        Stages through host memory (one host buffer, then one copy to the device). Returns
-        False on a miss or corrupt object (see :mod:`tiers.reader`) or when the pool is full.
+        On ``device="cpu"`` the layers are read straight into the pooled tensor; on a GPU
+        they go through one reusable host staging buffer (page-locked, so the host-to-device
+        copy runs at full PCIe/NVLink speed; loads through it are serialized) and one copy
+        to the device. Returns False on a miss or a corrupt object (see :mod:`tiers.reader`)
+        or when the pool is full.
         """
         if self.contains([key])[0]:
             return True
         header = read_header(tier, key, counters)
         if header is None or header.dtype not in TORCH_DTYPES:
             return False
-        shape = (header.num_layers, *header.layer_shape)
-        host = torch.empty(shape, dtype=TORCH_DTYPES[header.dtype])  # [L, 2, T, H, D]
-        raw = host.view(torch.uint8).view(header.num_layers, -1).numpy()
-        if read_layers(tier, key, range(header.num_layers), [raw[i] for i in range(header.num_layers)],
-                       header=header, counters=counters) is None:
-            return False
+        num_layers = header.num_layers
+        shape = (num_layers, *header.layer_shape)  # [L, 2, T, H, D]
+        dtype = TORCH_DTYPES[header.dtype]
         positions = header.position_list()
         canonical = positions == list(range(header.num_tokens))
-        return self.put(key, host, None if canonical else positions)
+
+        def read_into(flat_u8: torch.Tensor) -> bool:
+            raw = flat_u8.view(num_layers, -1).numpy()
+            return read_layers(tier, key, range(num_layers), [raw[i] for i in range(num_layers)],
+                               header=header, counters=counters) is not None
+
+        def fill(dst: torch.Tensor) -> bool:
+            if dst.device.type == "cpu":
+                return read_into(dst.view(torch.uint8).view(-1))
+            with self._staging_lock:
+                staging = self._staging_buffer(dst.numel() * dst.element_size())
+                if not read_into(staging):
+                    return False
+                dst.view(torch.uint8).view(-1).copy_(staging)
+                return True
+
+        return self._store(key, shape, dtype, fill, None if canonical else tuple(positions))
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host uint8 buffer of ``nbytes`` (page-locked when CUDA is available); grown on
+        demand and reused. Caller holds ``_staging_lock``."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._staging = buf.pin_memory() if torch.cuda.is_available() else buf
+        return self._staging[:nbytes]
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:

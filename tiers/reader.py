@@ -8,9 +8,13 @@ Every tier serves bytes; this module is where they become trusted KV, once, for 
    for objects shorter than the probe, ``get``), validated by
    :func:`tiers.format.parse_header` against the expected key (namespace included) and
    format version. A header longer than the probe costs one more ranged read.
-2. **Layers** — exactly the wanted layers' byte ranges, in one ``get_ranges`` call (or,
-   when the tier has ``get_ranges_into`` and the layer is stored raw, straight into the
-   caller's buffer: disk ``preadv`` with no intermediate copy).
+2. **Layers** — exactly the wanted layers' byte ranges, in one ``get_ranges`` call; or,
+   when the tier has ``get_ranges_into`` (disk ``preadv``, S3 streaming), in one call that
+   puts raw layers straight into the caller's buffers (no intermediate copy) and lz4
+   layers into scratch buffers.
+   A whole-chunk read without a known header from a tier with ``open_stream`` (S3) is one
+   request: the stream's prefix and header are parsed, then the layers are read from the
+   same stream in order, raw ones straight into the caller's buffers.
 3. **Check and decode** — XXH3-64 of each stored payload, lz4 decompression where the
    header says so, into the caller's ``[2, T, H, D]`` buffer.
 
@@ -18,7 +22,7 @@ Failure behaviour: a missing object, an I/O error or timeout of the tier, or any
 :class:`~tiers.format.FormatError` covers (truncated, flipped byte, foreign namespace, newer
 version, lz4 garbage) is a miss: functions return ``None`` and count it in the
 :class:`ReadCounters` given (``misses`` / ``corrupt``). Only caller mistakes raise
-(``ValueError`` for a wrong-sized or read-only output buffer). On a miss the output
+(``ValueError`` for a read-only output buffer or mismatched argument lengths). On a miss the output
 buffers' contents are unspecified (possibly partly written); never use them.
 """
 
@@ -30,12 +34,28 @@ from collections.abc import Sequence
 
 import xxhash
 
-from tiers.format import (CODEC_RAW, HEADER_PROBE_BYTES, PREFIX_BYTES, ChunkHeader, FormatError,
-                          decode_layer, parse_header, parse_prefix)
+from tiers.format import (
+    CODEC_RAW,
+    HEADER_PROBE_BYTES,
+    PREFIX_BYTES,
+    ChunkHeader,
+    FormatError,
+    decode_layer,
+    parse_header,
+    parse_prefix,
+)
 from tiers.keys import ChunkKey
 from tiers.tier import Buffer, Tier
 
 log = logging.getLogger(__name__)
+
+#: Sanity bounds on what a header may claim before we allocate for it (a 7B model's layer
+#: of 256 tokens is 1 MiB; 1 GiB is a 32k-token segment of a model with 16 KV heads of
+#: 256 dims in fp32). A header over them is corrupt, not a reason to allocate gigabytes.
+MAX_LAYER_BYTES = 1 << 30
+MAX_TOKENS = 1 << 22
+#: lz4 block format expands at most ~255x; a claim beyond it is corrupt.
+_MAX_LZ4_EXPANSION = 256
 
 
 class ReadCounters:
@@ -73,7 +93,7 @@ def read_header(tier: Tier, key: ChunkKey, counters: ReadCounters | None = None)
         return None
     try:
         try:
-            return parse_header(buf, expected_key=key)
+            return _sane(parse_header(buf, expected_key=key))
         except FormatError as e:
             if "truncated header" not in str(e) or len(buf) < HEADER_PROBE_BYTES:
                 raise
@@ -83,11 +103,22 @@ def read_header(tier: Tier, key: ChunkKey, counters: ReadCounters | None = None)
         if got is None:
             _count(counters, "misses")
             return None
-        return parse_header(got[0], expected_key=key)
+        return _sane(parse_header(got[0], expected_key=key))
     except FormatError as e:
         log.debug("%s: rejected header of %s: %s", getattr(tier, "name", tier), key, e)
         _count(counters, "corrupt")
         return None
+
+
+def _sane(header: ChunkHeader) -> ChunkHeader:
+    """Reject headers whose claimed sizes we must not allocate for. Raises FormatError."""
+    if header.num_tokens > MAX_TOKENS or header.layer_nbytes > MAX_LAYER_BYTES:
+        raise FormatError(f"header claims {header.num_tokens} tokens / {header.layer_nbytes} "
+                          f"bytes per layer, over the sanity bounds")
+    for i, e in enumerate(header.layers):
+        if e.stored_len > MAX_LAYER_BYTES or e.raw_len > _MAX_LZ4_EXPANSION * e.stored_len + 64:
+            raise FormatError(f"layer {i}: implausible lengths {e.stored_len}/{e.raw_len}")
+    return header
 
 
 def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequence[Buffer],
@@ -107,8 +138,9 @@ def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequ
         The header on success, None on a miss (see module docstring).
 
     Raises:
-        ValueError: ``outs`` and ``layer_idxs`` differ in length, or a buffer is read-only
-            or of the wrong size.
+        ValueError: ``outs`` and ``layer_idxs`` differ in length, or a buffer is read-only.
+            (A buffer whose size does not match the stored object's layers is a miss,
+            logged as a warning: the object under this key is not what the caller looked up.)
     """
     if len(outs) != len(layer_idxs):
         raise ValueError(f"{len(layer_idxs)} layers but {len(outs)} output buffers")
@@ -117,14 +149,14 @@ def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequ
         if v.readonly:
             raise ValueError("output buffer is read-only")
     if header is None:
+        opener = getattr(tier, "open_stream", None)
+        if opener is not None and len(layer_idxs) > 1:  # one request for header and layers (S3)
+            return _read_stream(tier, opener, key, layer_idxs, views, counters)
         header = read_header(tier, key, counters)
         if header is None:
             return None
-    for v in views:
-        if v.nbytes != header.layer_nbytes:
-            raise ValueError(f"output buffer of {v.nbytes} bytes, layer is {header.layer_nbytes} "
-                             f"bytes ([2, {header.num_tokens}, {header.num_kv_heads}, "
-                             f"{header.head_dim}] {header.dtype})")
+    if not _fits(tier, key, header, views, counters):
+        return None
     if any(not 0 <= i < header.num_layers for i in layer_idxs):
         log.debug("%s: layer index past %d layers of %s", getattr(tier, "name", tier),
                   header.num_layers, key)
@@ -134,24 +166,106 @@ def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequ
     ranges = [(e.offset, e.stored_len) for e in entries]
     into = getattr(tier, "get_ranges_into", None)
     try:
-        if into is not None and all(e.codec == CODEC_RAW for e in entries):
-            if not into(key, ranges, views):
+        if into is not None:
+            # raw layers land straight in the caller's buffers; lz4 layers in scratch buffers
+            scratch = [None if e.codec == CODEC_RAW else bytearray(e.stored_len) for e in entries]
+            targets = [v if b is None else memoryview(b) for v, b in zip(views, scratch, strict=False)]
+            if not into(key, ranges, targets):
                 _count(counters, "misses")
                 return None
-            for i, e, v in zip(layer_idxs, entries, views):
-                if xxhash.xxh3_64_intdigest(v) != e.checksum:
-                    raise FormatError(f"layer {i}: checksum mismatch")
+            for i, e, v, b in zip(layer_idxs, entries, views, scratch, strict=False):
+                if b is None:
+                    if xxhash.xxh3_64_intdigest(v) != e.checksum:
+                        raise FormatError(f"layer {i}: checksum mismatch")
+                else:
+                    decode_layer(header, i, b, v)
         else:
             payloads = tier.get_ranges(key, ranges)
             if payloads is None:
                 _count(counters, "misses")
                 return None
-            for i, p, v in zip(layer_idxs, payloads, views):
+            for i, p, v in zip(layer_idxs, payloads, views, strict=False):
                 decode_layer(header, i, p, v)
     except FormatError as e:
         log.debug("%s: rejected %s: %s", getattr(tier, "name", tier), key, e)
         _count(counters, "corrupt")
         return None
+    _count(counters, "hits")
+    return header
+
+
+def _fits(tier: Tier, key: ChunkKey, header: ChunkHeader, views: Sequence[memoryview],
+          counters: ReadCounters | None) -> bool:
+    for v in views:
+        if v.nbytes != header.layer_nbytes:
+            # The caller sized its buffers from an earlier lookup; an object of another shape
+            # under this key now is a bad object (a miss), not an exception.
+            log.warning("%s: %s holds layers of %d bytes ([2, %d, %d, %d] %s); the output "
+                        "buffer has %d: treated as a miss", getattr(tier, "name", tier), key,
+                        header.layer_nbytes, header.num_tokens, header.num_kv_heads,
+                        header.head_dim, header.dtype, v.nbytes)
+            _count(counters, "corrupt")
+            return False
+    return True
+
+
+def _read_exact(stream, view: memoryview) -> None:
+    filled = 0
+    while filled < view.nbytes:
+        n = stream.readinto(view[filled:])
+        if not n:
+            raise FormatError(f"truncated object: stream ended after {filled} of {view.nbytes} bytes")
+        filled += n
+
+
+def _read_stream(tier: Tier, opener, key: ChunkKey, layer_idxs: Sequence[int],
+                 views: Sequence[memoryview], counters: ReadCounters | None) -> ChunkHeader | None:
+    """Whole-object stream: prefix, header, then every layer up to the last wanted one in
+    order (raw layers straight into the caller's buffers, others into scratch)."""
+    stream = opener(key)
+    if stream is None:
+        _count(counters, "misses")
+        return None
+    try:
+        prefix = bytearray(PREFIX_BYTES)
+        _read_exact(stream, memoryview(prefix))
+        rest = bytearray(parse_prefix(prefix))
+        _read_exact(stream, memoryview(rest))
+        header = _sane(parse_header(bytes(prefix) + rest, expected_key=key))
+        if not _fits(tier, key, header, views, counters):
+            return None
+        if any(not 0 <= i < header.num_layers for i in layer_idxs):
+            raise FormatError(f"layer index past {header.num_layers} layers")
+        wanted = dict(zip(layer_idxs, views, strict=False))
+        pos = header.header_end
+        for i, e in sorted(enumerate(header.layers), key=lambda t: t[1].offset):
+            if not wanted:
+                break
+            if e.offset < pos:
+                raise FormatError(f"layer {i} overlaps the previous one")
+            if e.offset > pos:
+                _read_exact(stream, memoryview(bytearray(e.offset - pos)))
+            out = wanted.pop(i, None)
+            if out is not None and e.codec == CODEC_RAW:
+                _read_exact(stream, out)
+                if xxhash.xxh3_64_intdigest(out) != e.checksum:
+                    raise FormatError(f"layer {i}: checksum mismatch")
+            else:
+                scratch = bytearray(e.stored_len)
+                _read_exact(stream, memoryview(scratch))
+                if out is not None:
+                    decode_layer(header, i, scratch, out)
+            pos = e.offset + e.stored_len
+    except FormatError as e:
+        log.debug("%s: rejected %s: %s", getattr(tier, "name", tier), key, e)
+        _count(counters, "corrupt")
+        return None
+    except OSError as e:
+        log.debug("%s: stream of %s failed: %s", getattr(tier, "name", tier), key, e)
+        _count(counters, "misses")
+        return None
+    finally:
+        stream.close()
     _count(counters, "hits")
     return header
 

@@ -73,6 +73,12 @@ class RedisTier:
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(_COUNTERS, 0)
 
+    @classmethod
+    def from_config(cls, cfg) -> RedisTier:
+        """From a :class:`tiers.config.TiersConfig` (``redis_url``, ``redis_ttl_s``,
+        ``io_timeout_s``)."""
+        return cls(cfg.redis_url, cfg.redis_ttl_s, cfg.io_timeout_s)
+
     def _rkey(self, key: ChunkKey) -> str:
         return f"{self.key_prefix}{key}"
 
@@ -157,9 +163,11 @@ class RedisTier:
         self._record(data or None)  # GETRANGE of a missing key is b""
         return data or None
 
-    def get_ranges(self, key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
-        """GETRANGE per ``(offset, length)`` in one pipelined round trip; None on a miss or
-        error, or when a range runs past the end of the value (counted in ``errors``).
+    def get_ranges(self, key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[memoryview] | None:
+        """Bytes of each ``(offset, length)``: one GETRANGE per run of adjacent ranges (a
+        whole chunk's layers are one run), all in one pipelined round trip, returned as
+        zero-copy slices. None on a miss or error, or when a range runs past the end of the
+        value (counted in ``errors``).
 
         Raises:
             ValueError: a negative offset or length.
@@ -167,25 +175,29 @@ class RedisTier:
         for off, length in ranges:
             if off < 0 or length < 0:
                 raise ValueError(f"bad range ({off}, {length})")
+        runs = _runs(ranges)
         try:
             pipe = self._client.pipeline(transaction=False)
-            for off, length in ranges:
-                pipe.getrange(self._rkey(key), off, off + length - 1)
-            got = pipe.execute()
+            for start, end, _i, _j in runs:
+                pipe.getrange(self._rkey(key), start, end - 1)
+            got = pipe.execute() if runs else []
         except self._errors() as e:
             self._error("get_ranges", key, e)
             return None
-        for (_off, length), data in zip(ranges, got):
-            if len(data) != length:
-                if len(data) == 0 and length > 0:
-                    self._record(None)  # absent (or evicted by TTL meanwhile)
+        out: list[memoryview] = []
+        for (start, end, i, j), data in zip(runs, got, strict=False):
+            if len(data) != end - start:
+                if len(data) == 0:
+                    self._record(None)  # absent (or expired meanwhile)
                 else:
                     self._count("errors")  # range past the end
                 return None
+            view = memoryview(data)
+            out.extend(view[off - start:off - start + length] for off, length in ranges[i:j])
         with self._lock:
             self._stats["hits"] += 1
             self._stats["bytes_read"] += sum(len(d) for d in got)
-        return got
+        return out
 
     def _record(self, data: bytes | None) -> None:
         with self._lock:
@@ -212,3 +224,15 @@ class RedisTier:
     def close(self) -> None:
         """Release the pooled connections."""
         self._client.close()
+
+
+def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Runs of adjacent non-empty ranges: ``(start, end, first_idx, end_idx)``."""
+    runs: list[tuple[int, int, int, int]] = []
+    for idx, (off, length) in enumerate(ranges):
+        if runs and runs[-1][1] == off and length > 0:
+            start, _end, i, _j = runs[-1]
+            runs[-1] = (start, off + length, i, idx + 1)
+        else:
+            runs.append((off, off + length, idx, idx + 1))
+    return runs

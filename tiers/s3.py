@@ -81,6 +81,8 @@ class S3Tier:
                  multipart_threshold_bytes: int = 64 << 20, max_workers: int = 8,
                  name: str = "s3") -> None:
         import boto3
+        import botocore.exceptions
+        import urllib3.exceptions
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
@@ -88,7 +90,10 @@ class S3Tier:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 and max_attempts={max_attempts} >= 1")
         self.name = name
         self.bucket, self.prefix = parse_s3_url(url)
-        self._botocore_exc = __import__("botocore.exceptions", fromlist=["x"])
+        self._botocore_exc = botocore.exceptions
+        # what a body read can raise (botocore's transport is urllib3)
+        self._stream_errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
+                               urllib3.exceptions.HTTPError, ValueError)
         config = Config(retries={"max_attempts": max_attempts, "mode": "standard"},
                         connect_timeout=timeout_s, read_timeout=timeout_s,
                         max_pool_connections=max(10, 2 * max_workers))
@@ -102,6 +107,12 @@ class S3Tier:
         self._conditional = True
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(_COUNTERS, 0)
+
+    @classmethod
+    def from_config(cls, cfg) -> S3Tier:
+        """From a :class:`tiers.config.TiersConfig` (``s3_url``, ``s3_endpoint_url``,
+        ``s3_region``, ``io_timeout_s``)."""
+        return cls(cfg.s3_url, cfg.s3_endpoint_url, cfg.s3_region, cfg.io_timeout_s)
 
     def _okey(self, key: ChunkKey) -> str:
         return f"{self.prefix}{key}"
@@ -179,6 +190,18 @@ class S3Tier:
             kwargs["Range"] = range_
         return self._client.get_object(**kwargs)
 
+    def open_stream(self, key: ChunkKey) -> _Body | None:
+        """The whole object as a stream (one GetObject) with ``readinto``/``close``, or None.
+        The stream's read errors surface as ``OSError`` (and count in ``errors``), so one
+        request serves a whole-chunk read: header, then layers straight into buffers."""
+        try:
+            body = self._get(key, None)["Body"]
+        except self._errors() as e:
+            self._fail("open_stream", key, e)
+            return None
+        self._hit(0)
+        return _Body(self, body)
+
     def get(self, key: ChunkKey) -> bytes | None:
         try:
             data = self._get(key, None)["Body"].read()
@@ -223,7 +246,7 @@ class S3Tier:
         views = [memoryview(o).cast("B") for o in outs]
         if len(views) != len(ranges):
             raise ValueError(f"{len(ranges)} ranges but {len(views)} buffers")
-        for (off, length), v in zip(ranges, views):
+        for (off, length), v in zip(ranges, views, strict=False):
             if off < 0 or length < 0 or v.nbytes != length:
                 raise ValueError(f"bad range ({off}, {length}) for a buffer of {v.nbytes} bytes")
         total = 0
@@ -260,7 +283,7 @@ class S3Tier:
             self._stats["bytes_read"] += nbytes
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        present = [k for k, ok in zip(keys, self.contains(keys)) if ok]
+        present = [k for k, ok in zip(keys, self.contains(keys), strict=False) if ok]
         n = 0
         for start in range(0, len(present), 1000):
             batch = present[start:start + 1000]
@@ -279,3 +302,27 @@ class S3Tier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+class _Body:
+    """A GetObject body whose read errors are ``OSError`` (counted by the tier)."""
+
+    def __init__(self, tier: S3Tier, body) -> None:
+        self._tier, self._body = tier, body
+
+    def readinto(self, buf) -> int:
+        try:
+            n = self._body.readinto(buf)
+        except self._tier._stream_errors as e:
+            self._tier._fail("read", "stream", e)
+            raise OSError(f"s3 read failed: {type(e).__name__}") from None
+        with self._tier._lock:
+            self._tier._stats["bytes_read"] += n
+        return n
+
+    def close(self) -> None:
+        try:
+            self._body.close()
+        except self._tier._stream_errors:
+            pass
+

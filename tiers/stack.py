@@ -1,0 +1,408 @@
+"""A stack of byte tiers (host, disk, Redis, S3): read through, promote up, write down.
+
+Lifecycle, for the shard that owns a stack::
+
+    stack = TierStack([host, disk, redis, s3], write_down=("disk", "redis"), compression="lz4")
+    stack.put(key, obj)                 # lands in the top tier now; lower tiers in background
+    stack.prefetch(keys)                # promote into the top tier in background
+    fut = stack.read_layer_async(key, l)   # ask for layer l+1 while computing layer l
+    stack.read_layers(key, idxs, outs)  # or synchronously, straight into caller buffers
+    stack.flush(timeout_s)              # wait for pending write-downs (and promotions)
+    stack.close()
+
+Reads take the first tier (top first) that holds a valid object and promote it into every
+tier above (asynchronously; the promoted copy is stored uncompressed in the top tier and
+as given below it). Writes land in the top tier synchronously and go down asynchronously
+to the tiers named in ``write_down``, lz4-compressed (per layer, where it pays: see
+:mod:`tiers.format`) when ``compression="lz4"``. A chunk is pinned in the tier it is read
+from for the duration of the read (tiers with ``pin``/``unpin``), so eviction never pulls
+it from under an in-flight read. Puts are idempotent (each tier is first-wins). Reading
+never changes stored bytes; an object found corrupt in a tier is deleted from that tier
+(and counted), so a later put can store a good one.
+
+Failure behaviour: inherits each tier's (a fault is a miss of that tier; the read falls
+through to the next). Nothing raises to the caller for cache faults: reads return None
+(or a future resolving to None), puts return False/complete quietly; counters in
+``stats()['stack']``. Caller mistakes raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+from tiers.format import CODEC_LZ4, ChunkHeader, FormatError, decode_layer, encode_chunk
+from tiers.keys import ChunkKey
+from tiers.reader import ReadCounters, read_header, read_layers, validate_object
+from tiers.tier import Buffer, Tier
+
+log = logging.getLogger(__name__)
+
+_HEADER_CACHE = 4096
+
+
+def recode(obj: Buffer, key: ChunkKey, compress: bool,
+           header: ChunkHeader | None = None) -> bytes | Buffer:
+    """Return ``obj`` re-encoded with lz4 per layer (``compress=True``) or with every layer
+    raw (``False``); ``obj`` itself when it already is in that form.
+
+    Args:
+        header: ``validate_object(obj, key)``'s result when the caller already checked it.
+
+    Raises:
+        FormatError: ``obj`` is not a valid object of ``key``.
+    """
+    if header is None:
+        header = validate_object(obj, key)
+    has_lz4 = any(e.codec == CODEC_LZ4 for e in header.layers)
+    if has_lz4 == compress:
+        return obj
+    view = memoryview(obj).cast("B")
+    layers = [decode_layer(header, i, view[e.offset:e.offset + e.stored_len])
+              for i, e in enumerate(header.layers)]
+    return encode_chunk(key, layers, dtype=header.dtype, num_tokens=header.num_tokens,
+                        num_kv_heads=header.num_kv_heads, head_dim=header.head_dim,
+                        positions=header.position_list(), compress=compress)
+
+
+class TierStack:
+    """Byte tiers composed top (fastest) to bottom (see module docstring).
+
+    Args:
+        tiers: tiers, top first; names must be unique.
+        write_down: names of lower tiers every put is copied to (default: all lower tiers).
+        compression: ``"lz4"`` (compress below the top tier) or ``"none"``.
+        promote: copy hits from lower tiers into the tiers above them.
+        max_workers: threads for write-down and promotion, and as many for async reads.
+
+    Raises:
+        ValueError: no tiers, duplicate names, unknown ``write_down`` names or compression.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, write_down: Sequence[str] | None = None,
+                 compression: str = "lz4", promote: bool = True, max_workers: int = 4) -> None:
+        if not tiers:
+            raise ValueError("a TierStack needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        if compression not in ("lz4", "none"):
+            raise ValueError(f"compression={compression!r}: choose lz4 or none")
+        lower = names[1:]
+        self.write_down = tuple(lower if write_down is None else write_down)
+        unknown = [n for n in self.write_down if n not in lower]
+        if unknown:
+            raise ValueError(f"write_down names {unknown} are not lower tiers of {names}")
+        self.tiers = list(tiers)
+        self.compression = compression
+        self.promote = promote
+        # Separate pools: a burst of write-downs must not queue ahead of a layer read that
+        # the blend engine is about to wait for.
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tierstack-io")
+        self._read_pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tierstack-read")
+        self._lock = threading.RLock()
+        self._pending: set[Future] = set()
+        self._promoting: dict[ChunkKey, Future] = {}
+        self._headers: OrderedDict[tuple[str, ChunkKey], ChunkHeader] = OrderedDict()
+        self.counters = ReadCounters()
+        self._stats = {"write_down_failures": 0, "promotions": 0, "corrupt_deleted": 0}
+        self.name = "stack"
+
+    @classmethod
+    def from_config(cls, cfg, disk_path: str, **kwargs) -> TierStack:
+        """host → disk → redis → s3 as a :class:`tiers.config.TiersConfig` describes them
+        (a tier sized 0 or without a URL is left out); every lower tier is written down.
+
+        Raises:
+            ValueError: from the tiers' constructors (e.g. a malformed URL).
+        """
+        from tiers.disk import DiskTier
+        from tiers.host import HostTier
+
+        tiers: list[Tier] = [HostTier(int(cfg.host_size_gib * 2**30), cfg.eviction_policy)]
+        if cfg.disk_size_gib > 0:
+            tiers.append(DiskTier(disk_path, int(cfg.disk_size_gib * 2**30), cfg.eviction_policy))
+        if cfg.redis_url:
+            from tiers.redis_tier import RedisTier
+            tiers.append(RedisTier.from_config(cfg))
+        if cfg.s3_url:
+            from tiers.s3 import S3Tier
+            tiers.append(S3Tier.from_config(cfg))
+        return cls(tiers, compression=cfg.compression, **kwargs)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _submit(self, fn, *args) -> Future:
+        fut = self._pool.submit(fn, *args)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+        if fut.exception() is not None:  # a bug, not a cache fault: keep it visible
+            log.error("tier stack background task failed", exc_info=fut.exception())
+
+    def _bump(self, name: str) -> None:
+        with self._lock:
+            self._stats[name] += 1
+
+    def _cached_header(self, tier: Tier, key: ChunkKey) -> ChunkHeader | None:
+        with self._lock:
+            h = self._headers.get((tier.name, key))
+            if h is not None:
+                self._headers.move_to_end((tier.name, key))
+            return h
+
+    def _cache_header(self, tier: Tier, key: ChunkKey, header: ChunkHeader | None) -> None:
+        with self._lock:
+            if header is None:
+                self._headers.pop((tier.name, key), None)
+                return
+            self._headers[(tier.name, key)] = header
+            while len(self._headers) > _HEADER_CACHE:
+                self._headers.popitem(last=False)
+
+    # -- writes --------------------------------------------------------------------------
+    def put(self, key: ChunkKey, obj: Buffer) -> bool:
+        """Store an encoded chunk object: top tier now, ``write_down`` tiers in background.
+
+        Returns:
+            Whether the top tier took it (a full top tier still writes down).
+
+        Raises:
+            ValueError: ``obj`` is not a valid chunk object of ``key``.
+        """
+        try:
+            header = validate_object(obj, key)
+        except FormatError as e:
+            raise ValueError(f"put of {key}: not a valid chunk object: {e}") from None
+        top = self.tiers[0]
+        ok = top.put(key, recode(obj, key, False, header) if self.compression == "lz4" else obj)
+        if self.write_down:
+            self._submit(self._write_down, key, obj, header)
+        return ok
+
+    def _write_down(self, key: ChunkKey, obj: Buffer, header: ChunkHeader) -> None:
+        low = recode(obj, key, self.compression == "lz4", header)
+        for tier in self.tiers[1:]:
+            if tier.name in self.write_down and not tier.put(key, low):
+                self._bump("write_down_failures")
+
+    def flush(self, timeout_s: float | None = 60.0) -> bool:
+        """Wait for pending write-downs and promotions; True when all finished in time."""
+        with self._lock:
+            pending = list(self._pending)
+        done, not_done = wait(pending, timeout=timeout_s)
+        return not not_done
+
+    # -- reads ---------------------------------------------------------------------------
+    def locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
+        """Name of the first tier holding each key (one batch call per tier), or None."""
+        where: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, w in enumerate(where) if w is None]
+            if not todo:
+                break
+            for i, hit in zip(todo, tier.contains([keys[i] for i in todo]), strict=False):
+                if hit:
+                    where[i] = tier.name
+        return where
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [w is not None for w in self.locate(keys)]
+
+    def read_layers(self, key: ChunkKey, layer_idxs: Sequence[int],
+                    outs: Sequence[Buffer]) -> ChunkHeader | None:
+        """Read layers into the caller's buffers from the first tier with a valid object.
+
+        Shapes: each ``outs[i]`` is a writable buffer of the layer's raw ``[2, T, H, D]``
+        bytes (``header.layer_nbytes``). Returns the header, or None when no tier has a
+        valid object (then ``outs`` are unspecified).
+
+        Raises:
+            ValueError: see :func:`tiers.reader.read_layers`.
+        """
+        for depth, tier in enumerate(self.tiers):
+            pin = getattr(tier, "pin", None)
+            pinned = pin([key])[0] if pin is not None else False
+            try:
+                local = ReadCounters()
+                header = self._cached_header(tier, key)
+                if header is None:
+                    header = read_header(tier, key, local)
+                got = None if header is None else read_layers(
+                    tier, key, layer_idxs, outs, header=header, counters=local)
+            finally:
+                if pinned:
+                    tier.unpin([key])
+            if got is not None:
+                self._cache_header(tier, key, got)
+                self.counters.add("hits")
+                if depth > 0 and self.promote:
+                    self._promote(key, depth)
+                return got
+            self._cache_header(tier, key, None)
+            if local.snapshot()["corrupt"]:
+                self.counters.add("corrupt")
+                self._bump("corrupt_deleted")
+                tier.delete([key])
+        self.counters.add("misses")
+        return None
+
+    def read_layer_async(self, key: ChunkKey, layer_idx: int,
+                         out: Buffer | None = None) -> Future[memoryview | None]:
+        """Layer ``layer_idx`` of ``key`` in the background: a future of the raw ``[2, T, H, D]``
+        bytes (``out`` when given, else a fresh buffer), or of None on a miss."""
+        return self._read_pool.submit(self._read_one, key, layer_idx, out)
+
+    def _read_one(self, key: ChunkKey, layer_idx: int, out: Buffer | None) -> memoryview | None:
+        if out is None:
+            header = None
+            for tier in self.tiers:
+                header = self._cached_header(tier, key)
+                if header is not None:
+                    break
+            if header is None:
+                for tier in self.tiers:
+                    header = read_header(tier, key)
+                    if header is not None:
+                        self._cache_header(tier, key, header)
+                        break
+            if header is None:
+                self.counters.add("misses")
+                return None
+            out = bytearray(header.layer_nbytes)
+        view = memoryview(out).cast("B")
+        return view if self.read_layers(key, [layer_idx], [view]) is not None else None
+
+    def get(self, key: ChunkKey) -> Buffer | None:
+        """The whole object from the first tier holding a valid one (promoting it), or None."""
+        for depth, tier in enumerate(self.tiers):
+            obj = tier.get(key)
+            if obj is None:
+                continue
+            try:
+                validate_object(obj, key)
+            except FormatError:
+                self.counters.add("corrupt")
+                self._bump("corrupt_deleted")
+                tier.delete([key])
+                continue
+            self.counters.add("hits")
+            if depth > 0 and self.promote:
+                self._promote(key, depth, obj)
+            return obj
+        self.counters.add("misses")
+        return None
+
+    def get_ranges(self, key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[Buffer] | None:
+        """Byte ranges from the first tier holding ``key`` (no validation: use
+        :meth:`read_layers` for checked KV)."""
+        for tier in self.tiers:
+            got = tier.get_ranges(key, ranges)
+            if got is not None:
+                return got
+        return None
+
+    # -- promotion -----------------------------------------------------------------------
+    def prefetch(self, keys: Sequence[ChunkKey]) -> list[Future]:
+        """Promote each key into the top tier in background; futures resolve to True when
+        the key is (now) in the top tier."""
+        futs: list[Future] = []
+        top = self.tiers[0]
+        for key, present in zip(keys, top.contains(keys), strict=False):
+            if present:
+                f: Future = Future()
+                f.set_result(True)
+                futs.append(f)
+            else:
+                futs.append(self._promote(key, 1))
+        return futs
+
+    def _promote(self, key: ChunkKey, start: int, obj: Buffer | None = None) -> Future:
+        """Copy ``key`` into the tiers above the first tier (from index ``start`` down)
+        holding it; ``obj`` is that tier's object when the caller already has it."""
+        with self._lock:  # re-entrant: _submit takes it too; no window for a stale entry
+            fut = self._promoting.get(key)
+            if fut is None:
+                fut = self._submit(self._promote_now, key, start, obj)
+                self._promoting[key] = fut
+            return fut
+
+    def _promote_now(self, key: ChunkKey, start: int, obj: Buffer | None) -> bool:
+        try:
+            src = start if obj is not None else None
+            for d in range(max(start, 1), len(self.tiers)) if obj is None else ():
+                obj = self.tiers[d].get(key)
+                if obj is not None:
+                    src = d
+                    break
+            if obj is None or src is None:
+                return False
+            try:
+                header = validate_object(obj, key)
+            except FormatError:
+                self.counters.add("corrupt")
+                self._bump("corrupt_deleted")
+                self.tiers[src].delete([key])
+                return False
+            raw = recode(obj, key, False, header) if self.compression == "lz4" else obj
+            ok = True
+            for tier in self.tiers[:src]:
+                ok = tier.put(key, raw if tier is self.tiers[0] else obj) and ok
+            self._bump("promotions")
+            return ok
+        finally:
+            with self._lock:
+                self._promoting.pop(key, None)
+
+    # -- pins --------------------------------------------------------------------------
+    def pin(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Pin ``keys`` in every tier that supports pins (host, disk), e.g. for the whole of
+        a request that reads them layer by layer; returns which were pinned somewhere.
+        Every call needs a matching :meth:`unpin`."""
+        pinned = [False] * len(keys)
+        for tier in self.tiers:
+            pin = getattr(tier, "pin", None)
+            if pin is not None:
+                pinned = [p or q for p, q in zip(pinned, pin(keys), strict=False)]
+        return pinned
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Undo one :meth:`pin` of each key."""
+        for tier in self.tiers:
+            unpin = getattr(tier, "unpin", None)
+            if unpin is not None:
+                unpin(keys)
+
+    # -- admin ---------------------------------------------------------------------------
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Delete from every tier; returns how many keys were present in at least one."""
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            hits = tier.contains(keys)
+            tier.delete(keys)
+            present = [p or h for p, h in zip(present, hits, strict=False)]
+        with self._lock:
+            for tier in self.tiers:
+                for k in keys:
+                    self._headers.pop((tier.name, k), None)
+        return sum(present)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            stack = {**self._stats, **self.counters.snapshot(), "pending": len(self._pending)}
+        return {"stack": stack, **{t.name: t.stats() for t in self.tiers}}
+
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Flush, then stop the background threads. Returns :meth:`flush`'s result."""
+        ok = self.flush(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._read_pool.shutdown(wait=False, cancel_futures=True)
+        return ok
+
