@@ -247,9 +247,9 @@ class StagedSource:
         else:
             raw = slot.numpy()
             jobs = [self._io.submit(self._read_chunk, k, h, layer_idx, raw[o:o + h.layer_nbytes])
-                    if h is not None else None for k, h, o in zip(keys, headers, offsets)]
+                    if h is not None else None for k, h, o in zip(keys, headers, offsets, strict=False)]
             ok = [j is not None and j.result() for j in jobs]
-        return _Staged(slot, offsets, [h if good else None for h, good in zip(headers, ok)], total)
+        return _Staged(slot, offsets, [h if good else None for h, good in zip(headers, ok, strict=False)], total)
 
     def _read_memory(self, keys, headers, layer_idx: int, slot: torch.Tensor, offsets: list[int]) -> list[bool]:
         """A memory tier's layer: zero-copy views of the stored payloads, copied into the
@@ -257,10 +257,11 @@ class StagedSource:
         the io threads meanwhile (the stored bytes are immutable, so checking them checks
         what was copied)."""
         ok = [False] * len(keys)
+        counted = 0  # lz4 layers count their own hits in _read_chunk
         checks = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer of a read-only view: we only read it
-            for i, (key, header, off) in enumerate(zip(keys, headers, offsets)):
+            for i, (key, header, off) in enumerate(zip(keys, headers, offsets, strict=False)):
                 if header is None:
                     continue
                 if not 0 <= layer_idx < header.num_layers:
@@ -269,6 +270,7 @@ class StagedSource:
                 entry = header.layers[layer_idx]
                 if entry.codec != CODEC_RAW:  # lz4: decode (rare for KV, kept correct)
                     ok[i] = self._read_chunk(key, header, layer_idx, slot.numpy()[off:off + header.layer_nbytes])
+                    counted += ok[i]
                     continue
                 try:
                     got = self.tier.get_ranges(key, [(entry.offset, entry.stored_len)])
@@ -287,7 +289,7 @@ class StagedSource:
                 log.debug("%s: checksum mismatch in layer %d of %s", self.name, layer_idx, keys[i])
                 self.read_counters.add("corrupt")
                 ok[i] = False
-        self.read_counters.add("hits", sum(ok))
+        self.read_counters.add("hits", sum(ok) - counted)
         return ok
 
     def _read_chunk(self, key: ChunkKey, header: ChunkHeader, layer_idx: int, out: np.ndarray) -> bool:
@@ -350,7 +352,7 @@ class StagedSource:
             dev = host.to(self.device, copy=True)
         self._pool.release(staged.slot)
         out: list[torch.Tensor | None] = []
-        for h, off in zip(staged.headers, staged.offsets):
+        for h, off in zip(staged.headers, staged.offsets, strict=False):
             if h is None:
                 out.append(None)
                 continue

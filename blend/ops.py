@@ -1,0 +1,329 @@
+"""Dispatching entry points of the blend hot path: Triton/FlexAttention on CUDA, torch elsewhere.
+
+The engine calls these with the tensors it already holds (``[T, H, D]`` K/V of the prompt,
+``[A, Hq, D]`` queries of the computed rows, int64 positions); each picks the fast path for
+CUDA tensors and the plain-torch reference otherwise, with the same results up to the
+dtype's rounding (``tests/gpu`` compares them).
+
+* :func:`rerotate_k_` — cached K moved to new positions, in place (Triton).
+* :func:`k_deviation_scores` + :func:`select_top` — the check layer's selection (Triton + topk).
+* :func:`selected_row_attention` / :func:`attend` — attention of selected query rows over the
+  whole mixed KV with per-row causal limits: FlexAttention (compiled) with a block mask built
+  from the selected positions on CUDA; SDPA with a per-row ``[Qb, T]`` mask over blocks of
+  queries on CPU. Neither materializes a ``[T, T]`` mask.
+* :func:`gather_paged` / :func:`scatter_paged` — vLLM paged KV by ``slot_mapping`` (Triton).
+
+Axis letters as in :mod:`blend.protocols`; ``Q`` = selected query rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from blend.kernels.blockmask import NEVER, block_tables
+from blend.kernels.deviation import k_deviation_scores
+from blend.kernels.paged import gather_paged, scatter_paged
+from blend.kernels.rope import rerotate_k_
+from blend.selection import num_to_select
+from blend.selection import select_top as _select_top_n
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RowMask", "attend", "build_block_mask", "prepare_rows", "gather_paged", "k_deviation_scores", "rerotate_k_",
+           "scatter_paged", "select_top", "selected_row_attention", "selected_row_attention_reference"]
+
+#: FlexAttention tile (rows and keys per block of the block mask).
+FLEX_BLOCK = 128
+#: Query rows per SDPA call on the reference path (bounds the ``[Qb, T]`` mask).
+REFERENCE_QUERY_BLOCK = 1024
+#: Position given to padded keys: never visible to any query.
+_NEVER = NEVER
+
+
+def select_top(scores: torch.Tensor, ratio: float, threshold: float | None = None,
+               candidates: torch.Tensor | None = None, *, num_reused: int | None = None) -> torch.Tensor:
+    """The top ``ratio`` of candidates by K deviation (CacheBlend §4.3), minus those under ``threshold``.
+
+    Args:
+        scores: deviation per candidate (:func:`k_deviation_scores`).
+        ratio: recompute ratio in ``[0, 1]``; ``ceil(ratio * num_reused)`` are kept.
+        threshold: optional floor on the score of a kept candidate.
+        candidates: what to return for each score (e.g. prompt rows); None: score indices.
+        num_reused: the count the ratio applies to (default: ``len(scores)``); the engine
+            passes all reused rows of the request.
+
+    Shapes:
+        scores: ``[R]``; candidates: ``[R]`` int64. Returns ``[S]`` int64, in the order of
+        ascending score index (ascending rows when ``candidates`` ascends), on scores' device.
+
+    Raises:
+        ValueError: ratio outside ``[0, 1]`` or candidates of another length.
+    """
+    if candidates is not None and candidates.shape != scores.shape:
+        raise ValueError(f"candidates {tuple(candidates.shape)} must match scores {tuple(scores.shape)}")
+    num_select = num_to_select(scores.numel() if num_reused is None else num_reused, ratio)
+    idx = _select_top_n(scores, num_select, threshold)
+    return idx if candidates is None else candidates.to(scores.device)[idx]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _check_attention(q_sel, q_pos, k, v, kv_pos) -> None:
+    if q_sel.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"q_sel must be [Q, Hq, D], k and v [T, H, D]; got {tuple(q_sel.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q_sel.shape[1] % k.shape[1] or q_sel.shape[2] != k.shape[2]:
+        raise ValueError(f"query heads {q_sel.shape[1]} must be a multiple of KV heads {k.shape[1]} "
+                         f"with the same head dim")
+    if q_pos.shape != (q_sel.shape[0],):
+        raise ValueError(f"q_pos must be [{q_sel.shape[0]}], got {tuple(q_pos.shape)}")
+    if kv_pos is not None and kv_pos.shape != (k.shape[0],):
+        raise ValueError(f"kv_pos must be [{k.shape[0]}], got {tuple(kv_pos.shape)}")
+    for name, t in (("q_pos", q_pos), ("kv_pos", kv_pos)):
+        if t is not None and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            raise TypeError(f"{name} must be integer positions, got {t.dtype}")
+
+
+def selected_row_attention_reference(q_sel: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
+                                     v: torch.Tensor, kv_pos: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA over blocks of :data:`REFERENCE_QUERY_BLOCK` query rows, each with its ``[Qb, T]``
+    boolean mask ``kv_pos <= q_pos``. Same contract as :func:`selected_row_attention`."""
+    _check_attention(q_sel, q_pos, k, v, kv_pos)
+    device = k.device
+    kv_pos = torch.arange(k.shape[0], device=device) if kv_pos is None else kv_pos.to(device)
+    q_pos = q_pos.to(device)
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    outs = []
+    for start in range(0, q_sel.shape[0], REFERENCE_QUERY_BLOCK):
+        qb = q_sel[start:start + REFERENCE_QUERY_BLOCK]
+        mask = kv_pos[None, :] <= q_pos[start:start + REFERENCE_QUERY_BLOCK, None]  # [Qb, T]
+        out = F.scaled_dot_product_attention(qb.transpose(0, 1).unsqueeze(0), kh, vh, attn_mask=mask,
+                                             scale=scale, enable_gqa=True)  # [1, Hq, Qb, D]
+        outs.append(out[0].transpose(0, 1).reshape(qb.shape[0], -1))
+    if not outs:
+        return q_sel.new_zeros(0, q_sel.shape[1] * q_sel.shape[2])
+    return torch.cat(outs)  # [Q, Hq * D]
+
+
+def _pad(x: torch.Tensor, length: int, value: int | None) -> torch.Tensor:
+    """Pad a 1-D tensor to ``length`` with ``value`` (None: repeat the last element)."""
+    if x.numel() == length:
+        return x
+    fill = x[-1:].expand(length - x.numel()) if value is None else x.new_full((length - x.numel(),), value)
+    return torch.cat((x, fill))
+
+
+@functools.lru_cache(maxsize=16)
+def _key_positions(num_kv: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Positions ``[Tp]`` of keys ``0..T-1`` padded to whole blocks with a position no query
+    reaches (what ``mask_mod`` reads), cached per ``(T, block, device)``."""
+    nkb = -(-num_kv // block_size)
+    kp = torch.arange(nkb * block_size, device=device, dtype=torch.int64)
+    kp[num_kv:] = _NEVER
+    return kp
+
+
+def build_block_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor | None, num_kv: int | None = None,
+                     block_size: int = FLEX_BLOCK):
+    """FlexAttention ``BlockMask`` for "query at ``q_pos[i]`` sees keys with ``kv_pos <= q_pos[i]``".
+
+    Built from per-block minima and maxima, never from a dense mask::
+
+        q block b covers rows [b*128, b*128+128): qmin_b, qmax_b of their positions
+        kv block c covers keys [c*128, ...):      kmin_c, kmax_c
+        full    (no mask needed)  kmax_c <= qmin_b
+        partial (mask_mod needed) kmin_c <= qmax_b and not full
+        skipped otherwise
+
+    Sorted ``q_pos`` (the engine's ascending rows) gives the fewest partial blocks; any order
+    is correct. Padded keys get a position no query reaches; padded queries repeat the last.
+
+    Args:
+        q_pos: position of each query row (pad rows already appended, if any).
+        kv_pos: position of each key, or None for ``0..num_kv-1`` (cached block bounds).
+        num_kv: number of keys when ``kv_pos`` is None.
+
+    Shapes:
+        q_pos: ``[Q]`` int64, kv_pos: ``[T]`` int64, on the same device.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = q_pos.device
+    num_q = q_pos.numel()
+    nqb = -(-num_q // block_size)
+    qp = _pad(q_pos.to(torch.int64), nqb * block_size, None).contiguous()  # [Qp]
+    if kv_pos is None:
+        if num_kv is None:
+            raise ValueError("num_kv is needed when kv_pos is None")
+        num_kv = int(num_kv)
+        kp = _key_positions(num_kv, block_size, device)                   # [Tp]
+        tables = block_tables(qp, num_kv, block_size)                      # one launch on CUDA
+        kv_num, kv_idx, full_num, full_idx = (t[None, None] for t in tables)
+    else:
+        num_kv = kv_pos.numel()
+        nkb = -(-num_kv // block_size)
+        kp = _pad(kv_pos.to(torch.int64), nkb * block_size, _NEVER)       # [Tp]
+        kb = kp.view(nkb, block_size)
+        k_min, k_max = kb.amin(1), kb.amax(1)                             # [nkb]
+        qb = qp.view(nqb, block_size)
+        q_min, q_max = qb.amin(1), qb.amax(1)                              # [nqb]
+        full = k_max[None, :] <= q_min[:, None]                            # [nqb, nkb]
+        partial = (k_min[None, :] <= q_max[:, None]) & ~full
+
+        def blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            num = m.sum(-1, dtype=torch.int32)                             # [nqb]
+            idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # True first
+            return num[None, None], idx[None, None]
+
+        kv_num, kv_idx = blocks(partial)
+        full_num, full_idx = blocks(full)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kp[kv_idx] <= qp[q_idx]
+
+    kwargs = dict(BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(num_q, num_kv))
+    try:
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, compute_q_blocks=False, **kwargs)
+    except TypeError:  # a torch without compute_q_blocks
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, **kwargs)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # static shapes: torch 2.11's inductor found no kernel choice for flex_attention with
+    # dynamic shapes (NoValidChoicesError, H200, 2026-11-29); each (Q, T) compiles once
+    return torch.compile(flex_attention, dynamic=False)
+
+
+_FLEX_BROKEN: list[str] = []
+
+
+@dataclass(frozen=True)
+class RowMask:
+    """The selected rows' FlexAttention mask, prepared once per request.
+
+    Above the last check layer the engine attends with the same rows over the same number
+    of keys in every layer, so the padded positions and the block mask can be built once
+    (:func:`prepare_rows`) and passed to every :func:`selected_row_attention` call.
+
+    Attributes:
+        q_pos_padded: ``[Qp]`` int64, positions padded to whole 128-row tiles.
+        num_q: real query rows ``Q``; num_kv: keys ``T``.
+        block_mask: the ``BlockMask`` (keys at ``kv_pos``, or ``0..T-1``).
+    """
+
+    q_pos_padded: torch.Tensor
+    num_q: int
+    num_kv: int
+    block_mask: object
+
+
+def prepare_rows(q_pos: torch.Tensor, num_kv: int, kv_pos: torch.Tensor | None = None) -> RowMask:
+    """Build the :class:`RowMask` of rows at ``q_pos`` ``[Q]`` over ``num_kv`` keys (on
+    ``q_pos``'s device; a CUDA mask for CUDA positions).
+
+    Raises:
+        ValueError/TypeError: empty or non-integer positions, or a ``kv_pos`` of another length.
+    """
+    if q_pos.dim() != 1 or q_pos.numel() == 0 or q_pos.dtype.is_floating_point or q_pos.dtype == torch.bool:
+        raise TypeError(f"q_pos must be a non-empty 1-D integer tensor, got {q_pos.dtype} {tuple(q_pos.shape)}")
+    if kv_pos is not None and kv_pos.shape != (num_kv,):
+        raise ValueError(f"kv_pos must be [{num_kv}], got {tuple(kv_pos.shape)}")
+    num_q = q_pos.numel()
+    padded = _pad(q_pos.to(torch.int64), -(-num_q // FLEX_BLOCK) * FLEX_BLOCK, None).contiguous()
+    mask = build_block_mask(padded, None if kv_pos is None else kv_pos.to(q_pos.device), num_kv)
+    return RowMask(padded, num_q, int(num_kv), mask)
+
+
+def selected_row_attention(q_sel: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kv_pos: torch.Tensor | None, scale: float, *,
+                           rows: RowMask | None = None) -> torch.Tensor:
+    """Causal attention of selected query rows over all keys, each row with its own limit.
+
+    CacheBlend recomputes only selected tokens above the check layer (Yao et al., §4.2); each
+    selected row at prompt position ``p`` attends to every key at position ``<= p``::
+
+        keys:   0 1 2 3 4 5 6 7      query at position 4 sees keys 0..4
+        q(4) -> x x x x x . . .
+
+    Args:
+        q_sel: queries (after RoPE) of the selected rows.
+        q_pos: prompt position of each selected row (any order; ascending is fastest).
+        k, v: keys (after RoPE) and values of the prompt (fresh rows written over cached).
+        kv_pos: position of each key (None: ``0..T-1``).
+        scale: softmax scale.
+        rows: the same rows' :class:`RowMask` from :func:`prepare_rows` (built once per
+            request; the CUDA path then builds nothing per call).
+
+    Shapes:
+        q_sel: ``[Q, Hq, D]``; q_pos: ``[Q]`` int; k, v: ``[T, H, D]``; kv_pos: ``[T]`` int.
+        Returns ``[Q, Hq * D]`` in ``q_sel.dtype``.
+
+    CUDA: compiled FlexAttention with :func:`build_block_mask` (grouped-query heads native).
+    Elsewhere, or if compiling fails (logged once): :func:`selected_row_attention_reference`.
+
+    Raises:
+        ValueError/TypeError: inconsistent shapes, non-integer positions, or ``rows`` made
+            for another number of rows or keys.
+    """
+    _check_attention(q_sel, q_pos, k, v, kv_pos)
+    if rows is not None and (rows.num_q != q_sel.shape[0] or rows.num_kv != k.shape[0]):
+        raise ValueError(f"rows were prepared for {rows.num_q} rows over {rows.num_kv} keys, "
+                         f"got {q_sel.shape[0]} over {k.shape[0]}")
+    if not (q_sel.is_cuda and k.is_cuda) or _FLEX_BROKEN or q_sel.shape[0] == 0:
+        return selected_row_attention_reference(q_sel, q_pos, k, v, kv_pos, scale)
+    return _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows)
+
+
+def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
+    """The FlexAttention path of :func:`selected_row_attention` (any device; CUDA in use)."""
+    device = k.device
+    num_q = q_sel.shape[0]
+    # Query rows padded to a multiple of the tile (copies of the last row, dropped after):
+    # torch 2.11's inductor finds no flex kernel for fewer than 128 rows (H200, 2026-11-29),
+    # and bucketing Q bounds the number of compiled shapes.
+    num_q_pad = -(-num_q // FLEX_BLOCK) * FLEX_BLOCK
+    if num_q_pad != num_q:
+        q_sel = torch.cat((q_sel, q_sel[-1:].expand(num_q_pad - num_q, -1, -1)))
+    if rows is None:
+        q_pos = _pad(q_pos.to(device, torch.int64), num_q_pad, None)
+        block_mask = build_block_mask(q_pos, None if kv_pos is None else kv_pos.to(device), k.shape[0])
+    else:
+        q_pos, block_mask = rows.q_pos_padded, rows.block_mask
+    qh = q_sel.transpose(0, 1).unsqueeze(0)  # [1, Hq, Qp, D]
+    kh = k.transpose(0, 1).unsqueeze(0)      # [1, H, T, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    try:
+        out = _compiled_flex()(qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=True)
+    except Exception as e:  # noqa: BLE001 - no compiler / unsupported shape: stay correct
+        _FLEX_BROKEN.append(f"{type(e).__name__}: {e}")
+        log.warning("FlexAttention unavailable (%s: %s); using the SDPA reference", type(e).__name__, e)
+        return selected_row_attention_reference(q_sel[:num_q], q_pos[:num_q], k, v, kv_pos, scale)
+    return out[0, :, :num_q].transpose(0, 1).reshape(num_q, -1)  # [Q, Hq * D]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
+           scale: float, rows: RowMask | None = None) -> torch.Tensor:
+    """Drop-in for :func:`blend.attention.attend` (same arguments, shapes and errors).
+
+    ``query_idx=None`` is plain causal prefill (SDPA ``is_causal``: flash/cuDNN on CUDA);
+    otherwise :func:`selected_row_attention` with keys at ``0..T-1`` (and ``rows``, when the
+    caller prepared them once per request).
+    """
+    if query_idx is None:
+        if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0]:
+            raise ValueError(f"query_idx=None needs one query per key: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                             v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+    return selected_row_attention(q, query_idx, k, v, None, scale, rows=rows)
