@@ -63,14 +63,15 @@ def warn_once(message: str, *args) -> None:
 
 
 def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
-            include_dashboard: bool = False, dashboard_port: int | None = None):
+            include_dashboard: bool = False, dashboard_port: int | None = None,
+            metrics_export_port: int | None = None, temp_dir: str | None = None):
     """Connect this process to Ray (once); returns the ``ray`` module, or None when unreachable.
 
     Args:
         cluster_config: a :class:`cluster.config.ClusterConfig`.
         start_resources: custom resources of the node when ``ray_address='local'`` starts one
             (default: ``{shard_resource: shards_per_node}``).
-        include_dashboard, dashboard_port: for ``'local'`` only.
+        include_dashboard, dashboard_port, metrics_export_port, temp_dir: for ``'local'`` only.
 
     Returns:
         ``ray`` when connected (or already initialised), else None (nothing raised).
@@ -88,9 +89,12 @@ def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
         resources = start_resources
         if resources is None:
             resources = {cfg.shard_resource: float(cfg.shards_per_node)} if cfg.shard_resource else {}
-        ray.init(namespace=cfg.ray_namespace, resources=resources,
+        # address="local": always a new cluster (plain ray.init() would join one already
+        # running on this machine, e.g. another deployment's)
+        ray.init(address="local", namespace=cfg.ray_namespace, resources=resources,
                  object_store_memory=int(cfg.object_store_gib * 2**30),
                  include_dashboard=include_dashboard, dashboard_port=dashboard_port,
+                 _metrics_export_port=metrics_export_port, _temp_dir=temp_dir,
                  log_to_driver=False, configure_logging=False)
         return ray
     if address == "auto":
@@ -99,6 +103,7 @@ def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
             return None
     if not _probe(address):
         return None
+    _token_auth_if_available()
     try:
         ray.init(address=address, namespace=cfg.ray_namespace, log_to_driver=False,
                  configure_logging=False)
@@ -106,6 +111,28 @@ def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
         log.debug("ray.init(%s) failed: %s", address, e)
         return None
     return ray
+
+
+def _token_auth_if_available() -> None:
+    """Ray 2.60 starts clusters with token authentication on by default (``ray start`` and a
+    local ``ray.init()`` create ``~/.ray/auth_token``), but a driver joining an existing
+    cluster only sends the token when ``RAY_AUTH_MODE=token`` is set; without it the GCS
+    answers ``InvalidAuthToken``. So when ``RAY_AUTH_MODE`` is unset and a token exists
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or the file), turn token mode on for this
+    process (as Ray's own local start does). A token-mode driver also joins clusters that
+    have authentication disabled (checked with Ray 2.60)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # another Ray version: leave authentication to the user's settings
+        return
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except Exception as e:  # noqa: BLE001 - best effort; ray.init reports real auth errors
+        log.debug("token auth setup: %s", e)
 
 
 def shard_names(namespace: str) -> list[str]:

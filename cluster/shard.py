@@ -18,9 +18,16 @@ one numpy ``uint8`` array ``ray.put`` by the shard (so the shard owns it and our
 not the caller, decides its lifetime); ``get_refs`` returns its ``ObjectRef`` wrapped in a
 list (Ray then passes the ref, not the value) and the client ``ray.get``\\ s it: zero-copy
 from the node's shared-memory object store on the same node, one transfer per chunk
-otherwise. Measured on the 2-core dev box (``kvblend bench cluster``, 2026-11-29): returning
-32 MiB from an actor method took 18 ms (1.9 GB/s, copied through the call) while ``ray.get``
-of an object-store ref to it took 0.1 ms; see the benchmark's ``client_ratio``.
+otherwise. Why (measured on the 2-core dev box, 2026-11-29): returning 32 MiB from an actor
+method took 18 ms (1.9 GB/s, copied through the call) while ``ray.get`` of an object-store
+ref to it took 0.1 ms. With this design ``kvblend bench cluster`` (8 MiB chunks of 32 layers,
+16 chunks read layer by layer) measured client vs a direct in-process host-tier read of the
+same objects, over three runs: 0.74-0.98 of the direct GB/s (3-5 GB/s) same-node and
+0.80-0.97 cross-node once a process has mapped the chunks (``client_warm_ratio``); 0.6-0.77
+when each pass first fetches the 16 refs (``client_ratio``; each ``ObjectRef`` returned by a
+call costs Ray ~0.3 ms of borrower bookkeeping, which is also why ``lookup`` returns no
+refs), lower with 2 MiB chunks (``--quick``: 0.35-0.87). The machine was shared (load
+average 7-12 on 2 cores), so these ratios are noisy; rerun to compare.
 
 Memory budget: the object store must hold ``host_size_gib`` plus in-flight puts (each put
 passes its object through the store once). ``kvblend server`` starts Ray with
@@ -46,13 +53,15 @@ import numpy as np
 
 from cluster.metrics import ShardMetrics
 from tiers.config import TiersConfig
-from tiers.format import FormatError, decode_layer, encode_chunk, parse_header
+from tiers.format import FormatError, decode_layer, encode_chunk
 from tiers.keys import ChunkKey
 from tiers.reader import read_header, validate_object
 
 log = logging.getLogger("kvblend.shard")
 
 SHARD_PREFIX = "kvblend-shard-"
+#: custom-resource units one shard asks for (nodes advertise e.g. 1; up to 64 shards per node)
+SHARD_RESOURCE_AMOUNT = 0.01
 
 
 def shard_name(node_id: str, index: int) -> str:
@@ -154,7 +163,7 @@ class CacheShard:
             self.counters[name] = self.counters.get(name, 0) + n
 
     def _host_entry(self, key: ChunkKey):
-        """(ref, header bytes) of a host-resident chunk, or None."""
+        """(ref, header bytes, object bytes) of a host-resident chunk, or None."""
         return self.host.get_object(key)
 
     def _store_host(self, key: ChunkKey, obj, header_end: int) -> object | None:
@@ -164,7 +173,7 @@ class CacheShard:
         arr = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj
         ref = ray.put(arr)
         header = bytes(memoryview(arr)[:header_end])
-        if not self.host.put_object(key, (ref, header), arr.nbytes):
+        if not self.host.put_object(key, (ref, header, arr.nbytes), arr.nbytes):
             return None
         self.metrics.inc("kvblend_bytes_in", arr.nbytes, "host")
         return ref
@@ -235,24 +244,29 @@ class CacheShard:
                 "disk_path": self.disk.path if self.disk is not None else "",
                 "tiers": [t.name for t in [self.host, *self.lower]]}
 
-    def lookup(self, keys: Sequence[str], prefetch: bool = True) -> list[tuple | None]:
+    def lookup(self, keys: Sequence[str], prefetch: bool = True, with_refs: bool = False,
+               known: Sequence[bool] | None = None) -> list[tuple | None]:
         """Which of ``keys`` this shard can serve, with each hit's header bytes.
 
         Returns:
             Per key ``(tier name, prefix+header bytes, [ObjectRef] or None)`` or None. The
-            header is a few KB (the client parses it with :func:`tiers.format.parse_header`);
-            the ref comes with host-memory hits, so the client's first layer read needs no
-            further call. Hits below host memory start a background promotion when
-            ``prefetch``.
+            header is a few KB (the client parses it with :func:`tiers.format.parse_header`).
+            With ``with_refs`` host-memory hits carry their ref; off by default because each
+            returned ref costs Ray a borrower registration (16 refs added ~5 ms to a 1 ms
+            call here) and the scheduler-side lookups never read layers. Where ``known[i]``
+            the caller already holds that key's header (objects never change under a key)
+            and the header slot is ``b""``: parsing 16 headers cost the client ~1 ms.
+            Hits below host memory start a background promotion when ``prefetch``.
         """
         t0 = time.perf_counter()
         out: list[tuple | None] = []
-        for text in keys:
+        for i, text in enumerate(keys):
             key = ChunkKey.parse(text)
             self._count("lookups")
             entry = self._host_entry(key)
             if entry is not None:
-                out.append(("host", entry[1], [entry[0]]))
+                header = b"" if known is not None and known[i] else entry[1]
+                out.append(("host", header, [entry[0]] if with_refs else None))
                 self._count("hits_host")
                 self.metrics.inc("kvblend_hits", 1, "host")
                 continue
@@ -298,6 +312,8 @@ class CacheShard:
                     self._count("prefetch_hits")
                     self.metrics.inc("kvblend_prefetch_hits")
                 out.append([entry[0]])
+                # the client maps the object from the store: count it as read out of host
+                self.metrics.inc("kvblend_bytes_out", entry[2], "host")
                 continue
             fut = self._promoting.get(key)
             ref = None
@@ -306,6 +322,11 @@ class CacheShard:
                     ref = fut.result(timeout=timeout_s)
                 except Exception:  # noqa: BLE001 - timeout or tier failure: a miss
                     ref = None
+                if ref is not None:  # the prefetch was already under way: it saved time
+                    with self._lock:
+                        self._prefetched.discard(key)
+                    self._count("prefetch_hits")
+                    self.metrics.inc("kvblend_prefetch_hits")
             if ref is None:
                 ref = self._promote(key, False)
             out.append([ref] if ref is not None else None)
@@ -344,6 +365,46 @@ class CacheShard:
         _, not_done = wait_futures(pending, timeout=timeout_s)
         return not not_done
 
+    def drain_to_shared(self, timeout_s: float = 300.0) -> int:
+        """Before this shard's node is removed: copy every chunk of its host and disk tiers
+        that the shared tiers (Redis, S3) lack into them, so other shards and clients still
+        find it there (placement moves its keys to other shards; without shared tiers they
+        become misses). Returns the number of chunks written; stops at ``timeout_s``."""
+        if not self.shared:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        written = 0
+        local = [self.host] + ([self.disk] if self.disk is not None else [])
+        seen: set[ChunkKey] = set()
+        for tier in local:
+            for key in tier.keys():
+                if key in seen or time.monotonic() > deadline:
+                    continue
+                seen.add(key)
+                missing = [t for t in self.shared if not t.contains([key])[0]]
+                if not missing:
+                    continue
+                if tier is self.host:
+                    entry = self.host.get_object(key)
+                    if entry is None:
+                        continue
+                    import ray
+
+                    obj = ray.get(entry[0])
+                else:
+                    obj = tier.get(key)
+                if obj is None:
+                    continue
+                try:
+                    header = validate_object(obj, key)
+                    lower = lower_object(obj, header, self.cfg.compression)
+                except FormatError:
+                    self._count("read_errors")
+                    continue
+                if all([self._write(t, key, lower) for t in missing]):
+                    written += 1
+        return written
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is in any of this shard's tiers (no promotion)."""
         parsed = [ChunkKey.parse(k) for k in keys]
@@ -353,7 +414,7 @@ class CacheShard:
             if not rest:
                 break
             got = tier.contains([parsed[i] for i in rest])
-            for i, g in zip(rest, got):
+            for i, g in zip(rest, got, strict=True):
                 found[i] = g
         return found
 
@@ -409,12 +470,15 @@ class CacheShard:
             time.sleep(2.0)
 
 
-def start_shards(config, timeout_s: float = 60.0) -> list[str]:
+def start_shards(config, timeout_s: float = 60.0, env_vars: dict[str, str] | None = None) -> list[str]:
     """Create (idempotently) the shard actors on every alive node with ``shard_resource``.
 
     Args:
         config: a :class:`cluster.config.KVBlendConfig`; Ray must be initialised.
         timeout_s: how long to wait for every shard's ``ready()``.
+        env_vars: environment of newly created shard processes (Ray runtime env), e.g. S3
+            credentials when the nodes' own environment lacks them; the standard AWS chain
+            (node environment, instance/IRSA roles) is used otherwise.
 
     Returns:
         The names of the shards that answered ``ready()``.
@@ -438,7 +502,9 @@ def start_shards(config, timeout_s: float = 60.0) -> list[str]:
         if c.shard_resource and res.get(c.shard_resource, 0) <= 0:
             continue
         node_id = node["NodeID"]
-        amount = {c.shard_resource: res[c.shard_resource] / c.shards_per_node} if c.shard_resource else {}
+        # The resource marks eligible nodes; placement itself is the node affinity. Each shard
+        # asks for a token amount only, so several deployments (Ray namespaces) can share nodes.
+        amount = {c.shard_resource: SHARD_RESOURCE_AMOUNT} if c.shard_resource else {}
         for i in range(c.shards_per_node):
             name = shard_name(node_id, i)
             handles[name] = actor_cls.options(
@@ -446,6 +512,7 @@ def start_shards(config, timeout_s: float = 60.0) -> list[str]:
                 max_restarts=-1, max_task_retries=0, max_concurrency=16, num_cpus=0,
                 resources=amount,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                runtime_env={"env_vars": dict(env_vars)} if env_vars else None,
             ).remote(name, config.tiers, disk_root, c.metrics)
     if not handles:
         raise RuntimeError(f"no alive Ray node advertises the resource {c.shard_resource!r}; start "

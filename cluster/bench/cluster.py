@@ -1,0 +1,210 @@
+"""``kvblend bench cluster``: shard lookup latency and client layer-read throughput, 1-3 shards.
+
+Starts its own multi-node Ray on this machine (``ray.cluster_utils.Cluster``, one node per
+shard, each advertising the shard resource, object stores of ``--object-store-gib``) and, for
+1, 2 and 3 shards (one per node, nodes added one at a time), in one process:
+
+* ``lookup_ms`` p50/p99: :meth:`CacheClient.lookup` of a 16-segment plan (16 stored chunk
+  keys, random per call), i.e. one parallel call per owning shard plus header parsing;
+  ``bare_ray_call_ms`` is its floor measured in the same run: a no-op actor call to every
+  shard at once (Ray's own round trip).
+* layer reads, reported apart for chunks owned by the shard on the driver's node
+  (``same_node``) and by other nodes' shards (``cross_node``): a request reads all L layers
+  of 16 chunks in order through :meth:`CacheClient.fetch_layer` after a lookup.
+  ``client_gbps`` is that flow from a cold client object cache (each chunk's object is
+  ``ray.get`` once: zero-copy on the same node, one transfer across nodes);
+  ``client_warm_gbps`` the same with the objects already mapped.
+  ``direct_gbps`` is the baseline: the same objects read layer by layer from a
+  :class:`tiers.host.HostTier` in this process with :func:`tiers.reader.read_layer` (same
+  checksum and copy work, no Ray, no client). ``client_ratio = client_gbps / direct_gbps``.
+
+Targets (issue 5): ``client_ratio >= 0.7`` same-node; lookup p99 <= 5 ms for 16 segments and
+3 shards. All nodes share this machine's cores, so "cross-node" measures Ray's object
+transfer over loopback, not a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+import uuid
+
+NUM_SEGMENTS = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    p.add_argument("--quick", action="store_true", help="smaller chunks, fewer repetitions (~2 min)")
+    p.add_argument("--max-shards", type=int, default=3, help="largest shard count (1..3)")
+    p.add_argument("--object-store-gib", type=float, default=None,
+                   help="object store per node (default 0.3 quick / 0.6)")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def _shape(quick: bool) -> dict:
+    # per chunk: 2 * L * T * H * D * 2 bytes (bf16): quick 2 MiB (16 layers x 128 KiB),
+    # full 8 MiB (32 layers x 256 KiB)
+    if quick:
+        return {"num_layers": 16, "num_tokens": 64, "num_kv_heads": 8, "head_dim": 64}
+    return {"num_layers": 32, "num_tokens": 64, "num_kv_heads": 8, "head_dim": 128}
+
+
+def _read_all_layers(client, keys, num_layers: int) -> float:
+    t0 = time.perf_counter()
+    futs = [client.fetch_layer(keys, 0)]
+    for layer in range(num_layers):
+        if layer + 1 < num_layers:
+            futs.append(client.fetch_layer(keys, layer + 1))  # one layer ahead, as the engine
+        got = futs[layer].result(60)
+        if any(t is None for t in got):
+            raise RuntimeError(f"layer {layer}: a chunk could not be read")
+    return time.perf_counter() - t0
+
+
+def _direct_all_layers(tier, keys, headers, num_layers: int) -> float:
+    from cluster.client_api import layer_tensor
+    from tiers.reader import read_layer
+
+    t0 = time.perf_counter()
+    for layer in range(num_layers):
+        for k in keys:
+            h, raw = read_layer(tier, k, layer, header=headers[k])
+            layer_tensor(raw, h.layer_shape, h.dtype)
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    import torch
+    from ray.cluster_utils import Cluster
+
+    from cluster.client import CacheClient
+    from cluster.client_api import encode_kv
+    from cluster.config import load_config
+    from cluster.server_stop import stop_shards
+    from cluster.shard import start_shards
+    from tiers.format import parse_header
+    from tiers.host import HostTier
+    from tiers.keys import segment_key
+
+    quick = args.quick
+    shape = _shape(quick)
+    reps = 3 if quick else 5
+    lookups = 200 if quick else 1000
+    store_gib = args.object_store_gib or (0.3 if quick else 0.6)
+    chunk_bytes = 2 * 2 * shape["num_layers"] * shape["num_tokens"] * shape["num_kv_heads"] * shape["head_dim"]
+    max_shards = max(1, min(3, args.max_shards))
+    root = tempfile.mkdtemp(prefix="kvblend-bench-cluster-")
+    node_args = {"num_cpus": 1, "resources": {"kvblend_shard": 1},
+                 "object_store_memory": int(store_gib * 2**30)}
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    results = []
+    try:
+        ray.init(address=cluster.address, namespace="kvblend-bench", log_to_driver=False)
+        driver_node = ray.get_runtime_context().get_node_id()
+        g = torch.Generator().manual_seed(0)
+        ns = "b" * 16
+        for num_shards in range(1, max_shards + 1):
+            if num_shards > 1:
+                cluster.add_node(**node_args)
+                cluster.wait_for_nodes()
+            cfg = load_config(environ={}, overrides={
+                "ray_address": cluster.address, "ray_namespace": f"kvblend-bench-{uuid.uuid4().hex[:6]}",
+                "cache_dir": root, "host_size_gib": store_gib * 0.6, "disk_size_gib": 0.0,
+                "call_timeout_s": 30.0, "metrics": False})
+            names = start_shards(cfg)
+            client = CacheClient(cfg, ns)
+            infos = {n: ray.get(ray.get_actor(n, namespace=cfg.cluster.ray_namespace).ready.remote())
+                     for n in names}
+            local = {n for n, i in infos.items() if i["node_id"] == driver_node}
+            # 16 chunks per locality, chosen by owner
+            same, cross, direct = [], [], HostTier(2**40)
+            headers = {}
+            i = 0
+            while len(same) < NUM_SEGMENTS or (num_shards > 1 and len(cross) < NUM_SEGMENTS):
+                key = segment_key(ns, [num_shards, i])
+                i += 1
+                is_local = client._placement.owner(str(key)) in local
+                bucket = same if is_local else cross
+                if len(bucket) >= NUM_SEGMENTS:
+                    continue
+                kv = torch.randn(shape["num_layers"], 2, shape["num_tokens"], shape["num_kv_heads"],
+                                 shape["head_dim"], generator=g).to(torch.bfloat16)
+                client.put(key, kv)
+                obj = encode_kv(key, kv)
+                direct.put(key, obj)
+                headers[key] = parse_header(obj, expected_key=key)
+                bucket.append(key)
+            if not client.flush(120):
+                raise RuntimeError("puts did not finish")
+            all_keys = same + cross
+            for _ in range(10):  # warm up
+                client.lookup(random.sample(all_keys, NUM_SEGMENTS))
+            lat = []
+            for _ in range(lookups):
+                plan = random.sample(all_keys, NUM_SEGMENTS)
+                t0 = time.perf_counter()
+                metas = client.lookup(plan)
+                lat.append((time.perf_counter() - t0) * 1e3)
+                if any(m is None for m in metas):
+                    raise RuntimeError("a stored chunk was missed")
+            # baseline in the same run: the bare Ray round trip of a no-op call to every shard
+            handles = [ray.get_actor(n, namespace=cfg.cluster.ray_namespace) for n in names]
+            bare = []
+            for _ in range(lookups):
+                t0 = time.perf_counter()
+                ray.get([h.ready.remote() for h in handles], timeout=30)
+                bare.append((time.perf_counter() - t0) * 1e3)
+            row = {"num_shards": num_shards, "shards": names,
+                   "lookup_ms": {"p50": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99),
+                                 "num_lookups": lookups, "segments": NUM_SEGMENTS},
+                   "bare_ray_call_ms": {"p50": _percentile(bare, 0.5), "p99": _percentile(bare, 0.99)}}
+            for label, keys in (("same_node", same), ("cross_node", cross)):
+                if not keys:
+                    continue
+                nbytes = len(keys) * chunk_bytes
+                cold, warm, base = [], [], []
+                for _ in range(reps):
+                    client._objects.clear()
+                    client.lookup(keys)  # fresh refs, as a request would
+                    cold.append(_read_all_layers(client, keys, shape["num_layers"]))
+                    warm.append(_read_all_layers(client, keys, shape["num_layers"]))
+                    base.append(_direct_all_layers(direct, keys, headers, shape["num_layers"]))
+                c, w, b = nbytes / min(cold) / 1e9, nbytes / min(warm) / 1e9, nbytes / min(base) / 1e9
+                row[label] = {"client_gbps": c, "client_warm_gbps": w, "direct_gbps": b,
+                              "client_ratio": c / b, "client_warm_ratio": w / b,
+                              "bytes_per_pass": nbytes}
+            results.append(row)
+            print(_row_text(row), flush=True)
+            client.close()
+            stop_shards(cfg.cluster.ray_namespace)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    out = {"benchmark": "cluster", "quick": quick, "chunk_shape": shape, "chunk_bytes": chunk_bytes,
+           "object_store_gib_per_node": store_gib, "cpu_count": os.cpu_count(), "results": results,
+           "targets": {"same_node_client_ratio_min": 0.7, "lookup_p99_ms_max_3_shards": 5.0}}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return 0
+
+
+def _row_text(row: dict) -> str:
+    parts = [f"shards={row['num_shards']}",
+             f"lookup16 p50={row['lookup_ms']['p50']:.2f}ms p99={row['lookup_ms']['p99']:.2f}ms",
+             f"bare call p50={row['bare_ray_call_ms']['p50']:.2f}ms p99={row['bare_ray_call_ms']['p99']:.2f}ms"]
+    for label in ("same_node", "cross_node"):
+        if label in row:
+            r = row[label]
+            parts.append(f"{label}: client {r['client_gbps']:.2f} GB/s (warm {r['client_warm_gbps']:.2f}) "
+                         f"direct {r['direct_gbps']:.2f} GB/s ratio {r['client_ratio']:.2f}")
+    return " | ".join(parts)

@@ -1,0 +1,195 @@
+"""``kvblend server``: start (or join) a Ray cluster and bring up the cache shards.
+
+The analogue of ``lmcache server --l1-size-gb 20 --eviction-policy LRU --engine-type blend``::
+
+    kvblend server                      # join the Ray cluster running here (``auto``) or, if
+                                        # none, start a head (``ray start --head``) with the
+                                        # shard resource; create the shards and exit (Ray and
+                                        # the detached shard actors keep running)
+    kvblend server --address local      # always start a new head here
+    kvblend server --address HOST:PORT  # join that cluster
+    kvblend server --block              # start Ray inside this process and serve until
+                                        # SIGINT/SIGTERM, then shut that Ray down
+
+Settings come from :func:`cluster.config.load_config` (defaults < YAML < environment < these
+flags). Re-running it is safe: shards are created with ``get_if_exists`` (nodes that joined
+since get their shards; existing ones are untouched). ``--block`` also re-checks every
+:data:`RESCAN_S` seconds for new cache nodes (autoscaling).
+
+Memory: the Ray object store holds every host-tier chunk plus in-flight puts, so a head
+started here gets ``--object-store-gib`` set explicitly; it must be at least ``--host-size-gib``
+times ``--shards-per-node`` plus :data:`STORE_HEADROOM_GIB` (a value given too small is an error;
+when not given, the store is sized to fit and the log says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+log = logging.getLogger("kvblend.server")
+
+RESCAN_S = 10.0
+#: object-store room beyond the host tiers, for puts in flight (each passes through once)
+STORE_HEADROOM_GIB = 0.1
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags every cluster command shares: ``--config``, ``--address``, ``--ray-namespace``."""
+    p.add_argument("--config", help="YAML config file (our keys or LMCache's)")
+    p.add_argument("--address", help="Ray cluster to use: host:port, 'auto' or 'local' (default: config ray_address)")
+    p.add_argument("--ray-namespace", help="Ray namespace of the shards (default: config ray_namespace)")
+
+
+def connection_overrides(args: argparse.Namespace) -> dict:
+    out = {}
+    if getattr(args, "address", None):
+        out["ray_address"] = args.address
+    if getattr(args, "ray_namespace", None):
+        out["ray_namespace"] = args.ray_namespace
+    return out
+
+
+def connect_or_fail(args: argparse.Namespace, extra: dict | None = None):
+    """(config, ray) for the admin commands; prints a message and returns (config, None)
+    when Ray cannot be reached."""
+    from cluster.config import load_config
+    from cluster.ray_util import connect
+
+    cfg = load_config(args.config, overrides={**connection_overrides(args), **(extra or {})})
+    if cfg.cluster.ray_address == "local":
+        raise ValueError("--address local starts a new empty Ray; give the running cluster's host:port")
+    ray = connect(cfg.cluster)
+    if ray is None:
+        print(f"kvblend: cannot reach Ray at {cfg.cluster.ray_address!r} (is `kvblend server` running?)",
+              file=sys.stderr)
+    return cfg, ray
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_connection_arguments(p)
+    p.add_argument("--host-size-gib", type=float, help="host memory per shard, GiB")
+    p.add_argument("--disk-path", help="parent directory of the shards' disk tiers")
+    p.add_argument("--disk-size-gib", type=float, help="disk tier size per shard, GiB (0 = off)")
+    p.add_argument("--redis-url", help="shared Redis tier, redis://host:port/db")
+    p.add_argument("--s3-url", help="shared S3 tier, s3://bucket[/prefix]")
+    p.add_argument("--s3-endpoint-url", help="S3-compatible endpoint")
+    p.add_argument("--eviction-policy", choices=("lru", "lfu"))
+    p.add_argument("--engine-type", choices=("blend", "prefix"),
+                   help="deployment default: connectors blend, or reuse prefixes only")
+    p.add_argument("--shards-per-node", type=int, help="shard actors per cache node")
+    p.add_argument("--object-store-gib", type=float, help="Ray object store of a head started here, GiB")
+    p.add_argument("--dashboard-port", type=int, default=None, help="Ray dashboard port of a head started here")
+    p.add_argument("--metrics-export-port", type=int, default=None,
+                   help="Prometheus port of a head started here")
+    p.add_argument("--no-dashboard", action="store_true", help="start the head without the dashboard")
+    p.add_argument("--temp-dir", default=None,
+                   help="Ray's temp/session directory of a head started here (default /tmp/ray; keep it short: "
+                        "Ray puts Unix sockets under it)")
+    p.add_argument("--block", action="store_true",
+                   help="run Ray inside this process and serve until interrupted")
+
+
+_FLAG_FIELDS = ("host_size_gib", "disk_path", "disk_size_gib", "redis_url", "s3_url", "s3_endpoint_url",
+                "eviction_policy", "engine_type", "shards_per_node", "object_store_gib")
+
+
+def _start_head(cfg, args) -> str:
+    """``ray start --head`` with the shard resource; returns the GCS address."""
+    from cluster.services import free_port
+
+    ray_exe = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+    port = free_port()
+    c = cfg.cluster
+    cmd = [ray_exe, "start", "--head", f"--port={port}",
+           f"--object-store-memory={int(c.object_store_gib * 2**30)}",
+           f"--resources={json.dumps({c.shard_resource: float(c.shards_per_node)} if c.shard_resource else {})}",
+           f"--include-dashboard={'false' if args.no_dashboard else 'true'}"]
+    if args.dashboard_port:
+        cmd.append(f"--dashboard-port={args.dashboard_port}")
+    if args.metrics_export_port:
+        cmd.append(f"--metrics-export-port={args.metrics_export_port}")
+    if args.temp_dir:
+        cmd.append(f"--temp-dir={args.temp_dir}")
+    log.info("starting Ray head: %s", " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"`ray start --head` failed ({done.returncode}): {done.stderr[-2000:]}")
+    return f"127.0.0.1:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.config import load_config, log_effective
+
+    overrides = connection_overrides(args)
+    for name in _FLAG_FIELDS:
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    if args.block and "ray_address" not in overrides:
+        overrides["ray_address"] = "local"
+    cfg = load_config(args.config, overrides=overrides)
+    c = cfg.cluster
+    needed_gib = cfg.tiers.host_size_gib * c.shards_per_node + STORE_HEADROOM_GIB
+    may_start = c.ray_address in ("local", "auto")  # joining host:port: the store exists
+    if may_start and c.object_store_gib < needed_gib:
+        if cfg.sources.get("object_store_gib", "default") != "default":
+            raise ValueError(
+                f"object_store_gib={c.object_store_gib} is below host_size_gib={cfg.tiers.host_size_gib} "
+                f"x shards_per_node={c.shards_per_node} + {STORE_HEADROOM_GIB} GiB of headroom for "
+                f"in-flight puts: the object store holds the host tier")
+        # not set by the user: size it to fit the host tier (said once in the log)
+        log.info("object_store_gib not set: using %.2f GiB (host tier + headroom)", needed_gib)
+        cfg = load_config(args.config, overrides={**overrides, "object_store_gib": needed_gib})
+        c = cfg.cluster
+    log_effective(cfg)
+    import ray
+
+    from cluster.ray_util import connect
+    from cluster.shard import start_shards
+
+    if c.ray_address == "local" and args.block:
+        connect(c, include_dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port,
+                metrics_export_port=args.metrics_export_port, temp_dir=args.temp_dir)
+    else:
+        joined = None if c.ray_address == "local" else connect(c)
+        if joined is None:
+            if c.ray_address not in ("auto", "local"):
+                print(f"kvblend: cannot reach Ray at {c.ray_address!r}", file=sys.stderr)
+                return 1
+            address = _start_head(cfg, args)
+            cfg = load_config(args.config, overrides={**overrides, "ray_address": address})
+            c = cfg.cluster
+            if connect(c) is None:
+                print(f"kvblend: started Ray at {address} but cannot connect", file=sys.stderr)
+                return 1
+    address = ray.get_runtime_context().gcs_address
+    names = start_shards(cfg)
+    try:
+        dashboard = ray._private.worker.get_dashboard_url() or ""
+    except Exception:  # noqa: BLE001 - only informative
+        dashboard = ""
+    print(json.dumps({"address": address, "namespace": c.ray_namespace, "shards": names,
+                      "dashboard_url": dashboard}), flush=True)
+    if not args.block:
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(RESCAN_S):
+        try:
+            start_shards(cfg)
+        except Exception as e:  # noqa: BLE001 - keep serving
+            log.warning("rescan for new cache nodes failed: %s", e)
+    from cluster.server_stop import stop_shards
+
+    stop_shards(c.ray_namespace)
+    ray.shutdown()
+    return 0

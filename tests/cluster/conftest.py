@@ -1,0 +1,90 @@
+"""One Ray cluster for all of tests/cluster: ``ray.cluster_utils.Cluster`` with 2 nodes on
+this machine, each advertising the shard resource, small object stores (200 MB each), no
+dashboard, metrics exported on a known port of the head. Shut down at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from cluster.services import free_port
+from tiers.keys import ChunkKey, segment_key
+
+RESOURCE = "kvblend_shard"
+OBJECT_STORE_BYTES = 200 * 2**20
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """``(cluster, metrics_port)``; the driver (this process) is connected to it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    metrics_port = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {RESOURCE: 1}, "object_store_memory": OBJECT_STORE_BYTES,
+        "include_dashboard": False, "metrics_export_port": metrics_port,
+        "_system_config": {"metrics_report_interval_ms": 1000},
+    })
+    cluster.add_node(num_cpus=1, resources={RESOURCE: 1}, object_store_memory=OBJECT_STORE_BYTES)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="kvblend-test-driver", log_to_driver=False)
+    yield cluster, metrics_port
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def kvconfig(ray_cluster, tmp_path_factory):
+    """A KVBlendConfig for the test cluster (unique Ray namespace, tmp disk tier)."""
+    from cluster.config import load_config
+
+    cluster, _ = ray_cluster
+    root = tmp_path_factory.mktemp("kvblend")
+    return load_config(environ={}, overrides={
+        "ray_address": cluster.address, "ray_namespace": f"kvblend-test-{uuid.uuid4().hex[:6]}",
+        "cache_dir": str(root), "disk_path": str(root / "disk"), "host_size_gib": 0.004,
+        "disk_size_gib": 0.2, "call_timeout_s": 10.0, "compression": "lz4"})
+
+
+@pytest.fixture(scope="session")
+def shards(kvconfig):
+    """Names of the shard actors (one per node), started once."""
+    from cluster.shard import start_shards
+
+    return start_shards(kvconfig)
+
+
+@pytest.fixture
+def client(kvconfig, shards):
+    from cluster.client import CacheClient
+
+    c = CacheClient(kvconfig, namespace=NS)
+    yield c
+    c.close()
+
+
+NS = "0123456789abcdef"
+
+
+def make_kv(seed: int, num_layers: int = 4, num_tokens: int = 16, num_kv_heads: int = 2,
+            head_dim: int = 8, dtype=torch.bfloat16) -> torch.Tensor:
+    """Random KV ``[L, 2, T, H, D]`` (deterministic per seed)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_layers, 2, num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+
+
+def make_key(i: int, ns: str = NS) -> ChunkKey:
+    return segment_key(ns, [i, i + 1, i + 2])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,150 @@
+"""Shards over a shared Redis tier: a dead owner is served from Redis (through the other shard
+or by the client directly); Redis stopped -> those reads miss, everything else works."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+import torch
+
+from tests.cluster.conftest import NS, make_key, make_kv
+
+
+@pytest.fixture(scope="module")
+def redis_setup(ray_cluster, tmp_path_factory):
+    from cluster.config import load_config
+    from cluster.server_stop import stop_shards
+    from cluster.services import start_redis_process
+    from cluster.shard import start_shards
+
+    cluster, _ = ray_cluster
+    root = tmp_path_factory.mktemp("redis-shards")
+    with start_redis_process() as redis:
+        cfg = load_config(environ={}, overrides={
+            "ray_address": cluster.address, "ray_namespace": f"kvblend-redis-{uuid.uuid4().hex[:6]}",
+            "cache_dir": str(root), "host_size_gib": 0.004, "disk_size_gib": 0.0,
+            "redis_url": redis.url, "io_timeout_s": 0.5, "call_timeout_s": 10.0})
+        names = start_shards(cfg)
+        assert len(names) == 2
+        yield cfg, names, redis
+        stop_shards(cfg.cluster.ray_namespace)
+
+
+def test_dead_owner_is_served_from_redis_and_redis_down_is_a_miss(redis_setup):
+    from cluster.client import CacheClient
+
+    cfg, names, redis = redis_setup
+    client = CacheClient(cfg, NS)
+    keys = [make_key(9000 + i) for i in range(10)]
+    kvs = [make_kv(9000 + i) for i in range(10)]
+    for k, kv in zip(keys, kvs, strict=True):
+        client.put(k, kv)
+    assert client.flush(60)  # host + Redis written
+    assert all(m is not None and m.tier == "host" for m in client.lookup(keys))
+
+    # the owner of some keys stops answering: the client reads Redis itself
+    dead = client._meta[keys[0]].shard
+    dead_idx = [i for i, k in enumerate(keys) if client._meta[k].shard == dead]
+    live_idx = [i for i in range(10) if i not in dead_idx]
+    reader = CacheClient(cfg, NS)
+    reader._suspect[dead] = math.inf
+    metas = reader.lookup(keys)
+    for i, m in enumerate(metas):
+        assert m is not None
+        assert m.tier == ("redis" if i in dead_idx else "host")
+    got = reader.fetch_layer(keys, 2).result(60)
+    assert all(torch.equal(g, kv[2]) for g, kv in zip(got, kvs, strict=True))
+    assert reader.counters["direct_reads"] >= 2 * len(dead_idx)
+
+    # Redis dies as well: the dead owner's keys miss, the live shard's keys still hit
+    redis.kill()
+    metas = reader.lookup(keys)
+    assert [m is not None for m in metas] == [i in live_idx for i in range(10)]
+    got = reader.fetch_layer(keys, 1).result(60)
+    for i, g in enumerate(got):
+        if i in live_idx:
+            assert torch.equal(g, kvs[i][1])
+    # puts keep working (host tier) while Redis is down
+    new_key = next(k for k in (make_key(9100 + j) for j in range(50))
+                   if reader._placement.owner(str(k)) != dead)
+    reader.put(new_key, make_kv(1))
+    reader.flush(30)  # the Redis write fails (counted on the shard); nothing raises
+    assert reader.contains([new_key]) == [True]
+    assert torch.equal(reader.fetch_layer([new_key], 0).result(30)[0], make_kv(1)[0])
+    # Redis comes back empty (no persistence): draining the live shard before removing its
+    # node writes what it holds back into Redis, and the placement then finds it there
+    redis.start()
+    from cluster.server_stop import stop_shards
+    from tiers.redis_tier import RedisTier
+
+    live = next(n for n in names if n != dead)
+    stopped = stop_shards(cfg.cluster.ray_namespace, node=live.split("-")[2], drain=True)
+    assert stopped == [live]
+    held = [keys[i] for i in live_idx] + [new_key]
+    assert RedisTier(redis.url).contains(held) == [True] * len(held)
+    reader.close()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def s3_setup(ray_cluster, tmp_path_factory):
+    import contextlib
+    import os
+
+    from cluster.config import load_config
+    from cluster.server_stop import stop_shards
+    from cluster.services import start_s3
+    from cluster.shard import start_shards
+
+    cluster, _ = ray_cluster
+    stack = contextlib.ExitStack()
+    endpoint, bucket = stack.enter_context(start_s3())
+    creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    cfg = load_config(environ={}, overrides={
+        "ray_address": cluster.address, "ray_namespace": f"kvblend-s3-{uuid.uuid4().hex[:6]}",
+        "cache_dir": str(tmp_path_factory.mktemp("s3-shards")), "host_size_gib": 0.004,
+        "disk_size_gib": 0.0, "s3_url": f"s3://{bucket}/kv", "s3_endpoint_url": endpoint,
+        "io_timeout_s": 0.5, "call_timeout_s": 10.0, "metrics": False})
+    try:
+        names = start_shards(cfg, env_vars=creds)
+        assert len(names) == 2
+        yield cfg, stack, bucket, endpoint
+    finally:
+        stop_shards(cfg.cluster.ray_namespace)
+        stack.close()
+
+
+def test_dead_owner_is_served_from_s3_and_s3_down_is_a_miss(s3_setup):
+    import boto3
+
+    from cluster.client import CacheClient
+
+    cfg, stack, bucket, endpoint = s3_setup
+    client = CacheClient(cfg, NS)
+    keys = [make_key(9500 + i) for i in range(8)]
+    kvs = [make_kv(9500 + i) for i in range(8)]
+    for k, kv in zip(keys, kvs, strict=True):
+        client.put(k, kv)
+    assert client.flush(60)
+    listed = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket=bucket, Prefix="kv/")
+    assert {o["Key"] for o in listed.get("Contents", [])} == {f"kv/{k}" for k in keys}
+
+    assert all(m is not None for m in client.lookup(keys))
+    dead = client._meta[keys[0]].shard
+    dead_idx = [i for i, k in enumerate(keys) if client._meta[k].shard == dead]
+    reader = CacheClient(cfg, NS)
+    reader._suspect[dead] = math.inf
+    metas = reader.lookup(keys)
+    assert [m.tier for m in metas] == ["s3" if i in dead_idx else "host" for i in range(8)]
+    got = reader.fetch_layer(keys, 3).result(60)
+    assert all(torch.equal(g, kv[3]) for g, kv in zip(got, kvs, strict=True))
+
+    stack.close()  # the S3 endpoint goes away: after the tier's retries, those reads miss
+    fresh = CacheClient(cfg, NS)
+    fresh._suspect[dead] = math.inf
+    metas = fresh.lookup(keys)
+    assert [m is not None for m in metas] == [i not in dead_idx for i in range(8)]
+    for c in (client, reader, fresh):
+        c.close()
