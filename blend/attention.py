@@ -7,8 +7,10 @@ queries sit at scattered prompt positions and each must see exactly the keys at 
     keys:      0 1 2 3 4 5 6 7 8 9          mask row for the query at position 4:
     query 4 -> x x x x x . . . . .          True for 0..4, False for 5..9
 
-:func:`attend` builds a ``[Q, T]`` boolean mask for the selected rows only and calls torch's
-SDPA (grouped-query heads via ``enable_gqa``); :func:`attend_reference` is the slow dense
+:func:`attend` takes the selected rows in position order, in blocks of :data:`QUERY_BLOCK`,
+builds a ``[Qb, Tb]`` boolean mask per block (``Tb`` = the block's last position + 1, so keys
+no row of the block may see are never read) and calls torch's SDPA (grouped-query heads via
+``enable_gqa``); :func:`attend_reference` is the slow dense
 reference (full ``[T, T]`` causal mask, explicit float64 softmax) that tests compare against.
 """
 
@@ -16,6 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+#: Query rows per SDPA call on the masked path (bounds the ``[Qb, T]`` mask).
+QUERY_BLOCK = 128
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None) -> None:
@@ -57,9 +62,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.T
     if query_idx is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        key_pos = torch.arange(k.shape[0], device=k.device)
-        mask = key_pos[None, :] <= query_idx.to(k.device)[:, None]  # [Q, T] bool
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        # Blocks of query rows in position order; each block reads keys only up to its last
+        # row (future keys are masked anyway): about half the work of one [Q, T] product.
+        query_idx = query_idx.to(k.device)
+        order = torch.argsort(query_idx)
+        sorted_idx = query_idx[order]
+        out = torch.empty(1, qh.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+        for b in range(0, q.shape[0], QUERY_BLOCK):
+            rows = order[b:b + QUERY_BLOCK]
+            pos = sorted_idx[b:b + QUERY_BLOCK]
+            num_keys = int(pos[-1]) + 1
+            key_pos = torch.arange(num_keys, device=k.device)
+            mask = key_pos[None, :] <= pos[:, None]  # [Qb, Tb] bool
+            out[:, :, rows] = F.scaled_dot_product_attention(
+                qh[:, :, rows], kh[:, :, :num_keys], vh[:, :, :num_keys], attn_mask=mask, scale=scale,
+                enable_gqa=True)
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [Q, Hq * D]
 
 

@@ -27,36 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from blend.protocols import ModelSpec
+from blend.adapters.hf import spec_from_config
 from blend.rope import check_rope_linear, inv_freq_for, rerotate_k
-
-
-def spec_from_hf_config(config, model_id: str, dtype: torch.dtype) -> ModelSpec:
-    """:class:`ModelSpec` of a HF ``PretrainedConfig`` (the one vLLM loaded)."""
-    num_heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
-    scaling = getattr(config, "rope_scaling", None) or {}
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        theta = params.get("rope_theta", 10000.0)
-    merged = {**{k: v for k, v in params.items() if k != "rope_theta"}, **scaling}
-    if merged.get("rope_type", merged.get("type")) == "default":
-        merged = {k: v for k, v in merged.items() if k not in ("rope_type", "type")}
-    return ModelSpec(
-        model_id=model_id,
-        num_layers=int(config.num_hidden_layers),
-        num_heads=num_heads,
-        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
-        head_dim=head_dim,
-        hidden_size=int(config.hidden_size),
-        vocab_size=int(config.vocab_size),
-        rope_theta=float(theta),
-        rope_scaling=tuple(sorted(merged.items())),
-        sliding_window=getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None,
-        max_position=int(getattr(config, "max_position_embeddings", 0) or 0),
-        dtype=str(dtype).replace("torch.", ""),
-    )
 
 
 class VLLMModelAdapter:
@@ -77,7 +49,7 @@ class VLLMModelAdapter:
         first = next(p for p in model.parameters())
         self._dtype = first.dtype
         self._device = first.device
-        self.spec = spec_from_hf_config(model.config, model_id, self._dtype)
+        self.spec = spec_from_config(model.config, model_id, self._dtype)  # the HF adapter's spec
         attn = self.layers[0].self_attn
         if attn.num_heads != self.spec.num_heads or attn.num_kv_heads != self.spec.num_kv_heads:
             raise ValueError(f"tensor parallelism is not supported by the vLLM adapter "
@@ -88,6 +60,7 @@ class VLLMModelAdapter:
         check_rope_linear(self.spec)
         self._inv_freq = inv_freq_for(self.spec).to(self._device)
         self._q_size, self._kv_size = attn.q_size, attn.kv_size
+        self.scale = float(attn.scaling)  # softmax scale the engine uses
 
     @property
     def device(self) -> torch.device:

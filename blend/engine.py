@@ -1,0 +1,364 @@
+"""The CacheBlend engine: layer-by-layer blending of cached chunk KV with selective recompute.
+
+Algorithm (Yao et al., "CacheBlend", EuroSys 2025, §4.2-§4.3 selection, §5 pipelining)::
+
+    | prefix | sep | chunk A (hit) | sep | chunk B (miss) | sep | chunk C (hit) | sep | query |
+      always   always   reused         always   always        always   reused       always  (when blended)
+
+    layers 0 .. c1-1   every row computed (fresh KV for all tokens, as full prefill)
+    layer c1 (check)   every row computed; reused rows scored by ||K_fresh - K_cached||^2
+                       (summed over KV heads); the top ratio (minus those under the threshold)
+                       plus the always-computed rows continue; the layer's KV is fresh
+    layers > c1        only continuing rows are computed; their fresh KV is scattered into the
+                       cached, re-rotated KV of the rest; each row attends causally over it
+    later check layer  the continuing reused rows are re-scored and cut to that layer's ratio
+
+Cached KV of layer ``l+1`` (and ``l+2``) is requested from the :class:`KVSource` on a
+background thread before layer ``l`` is computed, so loading overlaps compute (§5). Layers
+below the first check layer never need the cache. A chunk whose layer cannot be read (None
+from the source, wrong shape) turns the request into full prefill, never a failure.
+
+Axis letters: T = N prompt tokens blended, R reused rows, A computed rows, H KV heads,
+Hq query heads, D head dim, E hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from blend.attention import attend
+from blend.plan import CHUNK, BlendPlan
+from blend.protocols import BlendModel, KVSource
+from blend.rope import check_blendable
+from blend.selection import k_deviation, num_to_select, select_top
+
+log = logging.getLogger(__name__)
+
+#: Layers requested ahead of the one being computed.
+PREFETCH_DEPTH = 2
+#: Deviation used to rank reused tokens at a check layer.
+SCORES = ("k", "v", "kv")
+
+OnLayer = Callable[[int, torch.Tensor], None]
+
+
+@dataclass
+class BlendCounters:
+    """What one request did (plain numbers; the connector turns them into metrics).
+
+    Attributes:
+        num_segments: chunk segments in ``[0, blend_end)``.
+        num_hit_segments: of those, cached and used (0 when the request fell back to prefill).
+        reused_tokens: tokens whose KV could come from the cache (hit rows; the last row is
+            always computed when logits are wanted).
+        computed_tokens: the other tokens (prefix, separators, missed chunks, query), computed
+            in every layer.
+        selected_tokens: reused tokens chosen at the last check layer.
+        recomputed_tokens_per_layer: rows computed in each layer (``N`` up to the first check layer).
+        load_wait_s: time the engine waited for the source.
+        compute_s: the rest of the request's wall time.
+        full_prefill_reason: why the request was computed by full prefill (None when blended).
+    """
+
+    num_segments: int = 0
+    num_hit_segments: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    selected_tokens: int = 0
+    recomputed_tokens_per_layer: list[int] = field(default_factory=list)
+    load_wait_s: float = 0.0
+    compute_s: float = 0.0
+    full_prefill_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class BlendResult:
+    """Output of one request.
+
+    Attributes:
+        kv: per layer ``[2, N, H, D]`` (K then V) in the model dtype, K rotated at 0..N-1.
+        logits: ``[V]`` float32 next-token logits after token ``N-1`` (None unless wanted).
+        recompute_idx: ``[A]`` int64 prompt indices computed above the last check layer.
+        counters: what the request did.
+    """
+
+    kv: list[torch.Tensor]
+    logits: torch.Tensor | None
+    recompute_idx: torch.Tensor
+    counters: BlendCounters
+
+
+class _Fallback(Exception):
+    """A hit chunk's layer could not be read: recompute the request."""
+
+
+class BlendEngine:
+    """Blends a :class:`BlendPlan` with a :class:`BlendModel` and a :class:`KVSource`.
+
+    Args:
+        model: the model, cut at CacheBlend's seams.
+        source: cached chunk KV (None: every request is full prefill).
+        score: deviation that ranks reused tokens at a check layer: ``"k"`` (the paper's
+            K deviation, default), ``"v"`` (V deviation) or ``"kv"`` (their sum).
+
+    The engine keeps no per-request state between calls; one background thread (started on
+    first use) reads layers from the source.
+    """
+
+    def __init__(self, model: BlendModel, source: KVSource | None = None, *, score: str = "k") -> None:
+        if score not in SCORES:
+            raise ValueError(f"score={score!r}: choose one of {SCORES}")
+        self.score = score
+        self.model = model
+        self.source = source
+        self.spec = model.spec
+        self.scale = float(getattr(model, "scale", self.spec.head_dim ** -0.5))
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def close(self) -> None:
+        """Stop the fetch thread (idempotent); the engine can still be used afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def prefill(self, token_ids: Sequence[int], *, want_logits: bool = True,
+                on_layer: OnLayer | None = None) -> BlendResult:
+        """Full prefill of ``token_ids`` through the model protocol (the oracle; and the
+        canonical KV of a chunk: the chunk alone at positions 0..n-1, no BOS).
+
+        Raises:
+            ValueError: empty input, longer than the context window, or a sliding window
+                shorter than the input.
+        """
+        counters = BlendCounters(computed_tokens=len(token_ids))
+        start = time.perf_counter()
+        result = self._full(list(token_ids), want_logits, on_layer, counters)
+        counters.compute_s = time.perf_counter() - start
+        return result
+
+    def blend(self, plan: BlendPlan, *, want_logits: bool = True,
+              on_layer: OnLayer | None = None) -> BlendResult:
+        """Blend tokens ``[0, plan.blend_end)`` per the plan.
+
+        ``on_layer(layer_idx, kv)`` (kv ``[2, N, H, D]``) is called as soon as each layer's
+        final KV is known. If ``plan.full_prefill_reason`` is set, or a hit chunk's layer
+        cannot be fetched, the engine computes full prefill of ``[0, blend_end)`` instead and
+        says so in the counters (``num_hit_segments=0``, ``reused_tokens=0``,
+        ``full_prefill_reason``); after a mid-request fallback ``on_layer`` is called again
+        for every layer (the last call per layer wins).
+
+        Raises:
+            ValueError: ``blend_end == 0``, a prompt longer than the context window, a check
+                layer outside the model, RoPE that is not linear in position or a sliding
+                window shorter than the prompt (see :func:`blend.rope.check_blendable`).
+        """
+        start = time.perf_counter()
+        num_tokens = plan.blend_end
+        token_ids = list(plan.token_ids[:num_tokens])
+        chunks = [s for s in plan.segments if s.kind == CHUNK and s.start < num_tokens]
+        counters = BlendCounters(num_segments=len(chunks))
+        reason = plan.full_prefill_reason
+        if reason is None and self.source is None:
+            reason = "source unavailable"
+        if reason is None:
+            self._check_length(num_tokens)
+            check_blendable(self.spec, num_tokens)
+            bad = [c for c in plan.check_layers if not 0 <= c < self.spec.num_layers]
+            if bad:
+                raise ValueError(f"check_layers {bad} outside the model's {self.spec.num_layers} layers")
+            try:
+                result = self._blend(plan, want_logits, on_layer, counters)
+                counters.compute_s = time.perf_counter() - start - counters.load_wait_s
+                self._log(counters)
+                return result
+            except _Fallback as e:
+                reason = str(e)
+        counters = BlendCounters(num_segments=len(chunks), computed_tokens=num_tokens,
+                                 load_wait_s=counters.load_wait_s, full_prefill_reason=reason)
+        result = self._full(token_ids, want_logits, on_layer, counters)
+        counters.compute_s = time.perf_counter() - start - counters.load_wait_s
+        self._log(counters)
+        return result
+
+    # ----------------------------------------------------------------- helpers
+
+    def _check_length(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            raise ValueError("nothing to compute: 0 tokens")
+        if self.spec.max_position and num_tokens > self.spec.max_position:
+            raise ValueError(f"prompt of {num_tokens} tokens exceeds the model's context window "
+                             f"({self.spec.max_position} positions)")
+
+    def _log(self, c: BlendCounters) -> None:
+        log.debug("blend: segments=%d hits=%d reused=%d computed=%d selected=%d "
+                  "recomputed_per_layer=%s load_wait_s=%.4f compute_s=%.4f full_prefill_reason=%s",
+                  c.num_segments, c.num_hit_segments, c.reused_tokens, c.computed_tokens,
+                  c.selected_tokens, c.recomputed_tokens_per_layer, c.load_wait_s, c.compute_s,
+                  c.full_prefill_reason)
+
+    def _full(self, token_ids: list[int], want_logits: bool, on_layer: OnLayer | None,
+              counters: BlendCounters) -> BlendResult:
+        """Causal prefill of every row in every layer."""
+        num_tokens = len(token_ids)
+        self._check_length(num_tokens)
+        if self.spec.sliding_window is not None and self.spec.sliding_window < num_tokens:
+            raise ValueError(f"sliding_window={self.spec.sliding_window} is shorter than the "
+                             f"{num_tokens}-token input; this engine computes full causal attention only")
+        model = self.model
+        device = model.device
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        hidden, residual = model.embed(ids), None  # [N, E]
+        kv_layers: list[torch.Tensor] = []
+        with torch.no_grad():
+            for layer_idx in range(self.spec.num_layers):
+                q, k, v, residual = model.qkv(layer_idx, hidden, residual, positions)
+                attn_out = attend(q, k, v, None, self.scale)  # [N, Hq * D]
+                hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
+                kv = torch.stack((k, v))  # [2, N, H, D]
+                kv_layers.append(kv)
+                counters.recomputed_tokens_per_layer.append(num_tokens)
+                if on_layer is not None:
+                    on_layer(layer_idx, kv)
+            logits = model.logits(hidden[-1:], residual[-1:])[0] if want_logits else None
+        return BlendResult(kv_layers, logits, positions.clone(), counters)
+
+    def _scores(self, k_fresh, k_cached, v_fresh, v_cached) -> torch.Tensor:
+        """Deviation per reused row ``[Rc]`` float32 (see ``score``)."""
+        if self.score == "k":
+            return k_deviation(k_fresh, k_cached)
+        if self.score == "v":
+            return k_deviation(v_fresh, v_cached)
+        return k_deviation(k_fresh, k_cached) + k_deviation(v_fresh, v_cached)
+
+    def _fetch(self, keys, layer_idx: int) -> list[torch.Tensor | None] | None:
+        """Runs on the fetch thread: one layer of every hit chunk, or None on any fault."""
+        try:
+            return list(self.source.fetch_layer(keys, layer_idx).result())
+        except Exception as e:  # a broken source is a miss, never a failed request
+            log.warning("fetch of layer %d failed (%s: %s)", layer_idx, type(e).__name__, e)
+            return None
+
+    def _blend(self, plan: BlendPlan, want_logits: bool, on_layer: OnLayer | None,
+               counters: BlendCounters) -> BlendResult:
+        model, spec = self.model, self.spec
+        device, dtype = model.device, model.dtype
+        num_tokens = plan.blend_end
+        hits = [s for s in plan.hit_segments if s.end <= num_tokens]
+        keys = [s.key for s in hits]
+        # Per-row bookkeeping.  hit_rows: prompt rows covered by hit chunks ([Rh], ascending).
+        hit_rows = torch.cat([torch.arange(s.start, s.end) for s in hits]) if hits \
+            else torch.zeros(0, dtype=torch.int64)
+        stored_pos = torch.tensor([p for s in hits for p in s.stored_positions], dtype=torch.int64)
+        if stored_pos.shape != hit_rows.shape:
+            raise RuntimeError(f"plan carries {stored_pos.numel()} stored positions for {hit_rows.numel()} hit rows")
+        is_reused = torch.zeros(num_tokens, dtype=torch.bool)
+        is_reused[hit_rows] = True
+        if want_logits:
+            is_reused[num_tokens - 1] = False  # the last row's logits need its hidden state
+        num_reused = int(is_reused.sum())
+        counters.num_hit_segments = len(hits)
+        counters.reused_tokens = num_reused
+        counters.computed_tokens = num_tokens - num_reused
+        forced = None
+        if plan.forced_recompute is not None:
+            forced = torch.zeros(num_tokens, dtype=torch.bool)
+            idx = torch.tensor([i for i in plan.forced_recompute if 0 <= i < num_tokens], dtype=torch.int64)
+            forced[idx] = True
+        check_layers = list(plan.check_layers)
+        first_check = check_layers[0]
+        hit_rows_d, stored_pos_d = hit_rows.to(device), stored_pos.to(device)
+        is_reused_d = is_reused.to(device)
+
+        pending: dict[int, Future] = {}
+
+        def request(layer_idx: int) -> None:
+            if keys and first_check <= layer_idx < spec.num_layers and layer_idx not in pending:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-fetch")
+                pending[layer_idx] = self._pool.submit(self._fetch, keys, layer_idx)
+
+        def cached_layer(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Cached K (re-rotated to the prompt positions) and V, ``[N, H, D]`` each; rows
+            that are not hits are zeros (always overwritten by fresh rows)."""
+            k_mix = torch.zeros(num_tokens, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+            v_mix = torch.zeros_like(k_mix)
+            if not keys:
+                return k_mix, v_mix
+            t0 = time.perf_counter()
+            got = pending.pop(layer_idx).result()
+            counters.load_wait_s += time.perf_counter() - t0
+            if got is None or len(got) != len(hits):
+                raise _Fallback(f"layer {layer_idx} of the cached chunks could not be read")
+            for seg, kv in zip(hits, got, strict=True):
+                want = (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim)
+                if kv is None or tuple(kv.shape) != want:
+                    raise _Fallback(f"layer {layer_idx} of chunk {seg.key} could not be read "
+                                    f"({'missing' if kv is None else f'shape {tuple(kv.shape)} != {want}'})")
+            stored = torch.cat([kv.to(device=device, dtype=dtype) for kv in got], dim=1)  # [2, Rh, H, D]
+            k_mix[hit_rows_d] = model.rotate_k(stored[0], stored_pos_d, hit_rows_d)
+            v_mix[hit_rows_d] = stored[1]
+            return k_mix, v_mix
+
+        ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        request(first_check)
+        hidden, residual = model.embed(ids), None  # [N, E]
+        active = positions  # [A] rows computed in this layer, ascending
+        kv_layers: list[torch.Tensor] = []
+        try:
+            with torch.no_grad():
+                for layer_idx in range(spec.num_layers):
+                    for ahead in range(1, PREFETCH_DEPTH + 1):
+                        request(layer_idx + ahead)
+                    q, k, v, residual = model.qkv(layer_idx, hidden, residual, positions[active])
+                    counters.recomputed_tokens_per_layer.append(int(active.numel()))
+                    if layer_idx < first_check:
+                        attn_out = attend(q, k, v, None, self.scale)
+                        hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
+                        kv = torch.stack((k, v))  # [2, N, H, D]
+                    else:
+                        k_all, v_all = cached_layer(layer_idx)  # [N, H, D] each, this layer's own buffers
+                        keep_local = torch.arange(active.numel(), device=device)  # [A'] into active
+                        if layer_idx in check_layers:
+                            i = check_layers.index(layer_idx)
+                            cand_local = torch.nonzero(is_reused_d[active]).flatten()  # reused rows computed here
+                            if forced is not None:
+                                sel_local = cand_local[forced.to(device)[active[cand_local]]]
+                            else:
+                                rows = active[cand_local]  # read before fresh rows overwrite them
+                                scores = self._scores(k[cand_local], k_all[rows],
+                                                      v[cand_local], v_all[rows])  # [Rc]
+                                threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
+                                n_sel = num_to_select(num_reused, plan.recompute_ratios[i])
+                                sel_local = cand_local[select_top(scores, n_sel, threshold)]
+                            keep = ~is_reused_d[active]
+                            keep[sel_local] = True
+                            keep_local = torch.nonzero(keep).flatten()
+                            counters.selected_tokens = int(sel_local.numel())
+                        k_all[active], v_all[active] = k, v  # fresh rows over cached rows
+                        new_active = active[keep_local]
+                        attn_out = attend(q[keep_local], k_all, v_all, new_active, self.scale)
+                        hidden, residual = model.finish_layer(layer_idx, attn_out, residual[keep_local])
+                        active = new_active
+                        kv = torch.stack((k_all, v_all))  # [2, N, H, D]
+                    kv_layers.append(kv)
+                    if on_layer is not None:
+                        on_layer(layer_idx, kv)
+                logits = None
+                if want_logits:
+                    if int(active[-1]) != num_tokens - 1:
+                        raise RuntimeError("the last prompt row was not computed")
+                    logits = model.logits(hidden[-1:], residual[-1:])[0]
+        finally:
+            for fut in pending.values():
+                fut.cancel()
+        return BlendResult(kv_layers, logits, active.to(torch.int64).clone(), counters)

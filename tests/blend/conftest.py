@@ -1,0 +1,22 @@
+"""Fixtures for blend tests (factories live in ``blend_factories.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from blend_factories import tiny_adapter
+
+from blend.engine import BlendEngine
+from cluster.client_api import LocalCacheClient
+from tiers.tier import MemoryTier
+
+
+@pytest.fixture
+def make_setup():
+    """``make_setup(model_type, ...) -> (engine, client)`` with an empty memory tier."""
+
+    def make(model_type: str = "llama", **kw):
+        adapter = tiny_adapter(model_type, **kw)
+        client = LocalCacheClient(MemoryTier(1 << 28, name="host"))
+        return BlendEngine(adapter, client), client
+
+    return make

@@ -1,0 +1,286 @@
+"""Blend engine against full prefill (the oracle) on tiny random-weight models, float32.
+
+Tolerance: F32_TOL (see blend_factories) — same math, different summation order only.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from blend_factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks
+from torch.testing import assert_close
+
+MODEL_TYPES = ["llama", "mistral", "qwen2"]
+
+
+def _hf_reference(adapter, ids):
+    """KV ([2, N, H, D] per layer) and last logits from HF's own forward (SDPA)."""
+    with torch.no_grad():
+        out = adapter.model(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    kv = [torch.stack((cache.layers[i].keys[0].transpose(0, 1), cache.layers[i].values[0].transpose(0, 1)))
+          for i in range(adapter.spec.num_layers)]
+    return kv, out.logits[0, -1].float()
+
+
+def _setup(make_setup, model_type="llama", num_chunks=3, chunk_len=24, **kw):
+    engine, client = make_setup(model_type, **kw)
+    chunks = random_chunks(num_chunks, chunk_len)
+    store_chunks(engine, client, chunks)
+    return engine, client, chunks
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_prefill_matches_hf_forward(make_setup, model_type):
+    engine, _ = make_setup(model_type)
+    ids = random_chunks(1, 40)[0]
+    res = engine.prefill(ids)
+    kv_ref, logits_ref = _hf_reference(engine.model, ids)
+    for got, want in zip(res.kv, kv_ref, strict=True):
+        assert_close(got, want, **F32_TOL)
+    assert_close(res.logits, logits_ref, **F32_TOL)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_ratio_one_reproduces_full_prefill(make_setup, model_type):
+    """per-model-accuracy-gate: ratio 1.0 = full prefill's KV and logits; the blend path ran."""
+    engine, client, chunks = _setup(make_setup, model_type)
+    ids, spans = blend_prompt([1, 2, 3], [chunks[2], chunks[0], chunks[1]], [4, 5, 6, 9])
+    plan = plan_for(ids, spans, client, ratio=1.0)
+    res = engine.blend(plan)
+    full = engine.prefill(ids)
+    c = res.counters
+    assert c.full_prefill_reason is None
+    assert c.num_hit_segments == 3 and c.reused_tokens == 72
+    assert c.selected_tokens == 72
+    assert c.recomputed_tokens_per_layer == [len(ids)] * engine.spec.num_layers
+    for got, want in zip(res.kv, full.kv, strict=True):
+        assert_close(got, want, **F32_TOL)
+    assert_close(res.logits, full.logits, **F32_TOL)
+
+
+def test_layers_up_to_check_layer_match_full_prefill(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15, check_layers=(2,))
+    res = engine.blend(plan)
+    full = engine.prefill(ids)
+    for layer in range(3):
+        assert_close(res.kv[layer], full.kv[layer], **F32_TOL)
+    # Above the check layer the reused rows are not full prefill's: blending did something.
+    assert not torch.allclose(res.kv[3], full.kv[3], **F32_TOL)
+    assert res.counters.recomputed_tokens_per_layer[:3] == [len(ids)] * 3
+    assert res.counters.recomputed_tokens_per_layer[3] < len(ids)
+
+
+def test_unselected_rows_keep_cached_kv_bit_for_bit(make_setup):
+    """ratio 0.15: unselected reused rows above the check layer hold the cached V and the
+    engine's re-rotated cached K exactly; selected rows hold fresh KV."""
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], [chunks[1], chunks[2], chunks[0]], [4, 5, 6])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    res = engine.blend(plan)
+    c = res.counters
+    assert c.reused_tokens == 72
+    assert c.selected_tokens == 11  # ceil(0.15 * 72)
+    computed = set(res.recompute_idx.tolist())
+    assert len(computed) == c.computed_tokens + c.selected_tokens
+    hits = plan.hit_segments
+    for layer in range(2, engine.spec.num_layers):
+        for seg in hits:
+            stored = client.read_layer(seg.key, layer)  # [2, n, H, D]
+            rows = torch.arange(seg.start, seg.end)
+            k_rot = engine.model.rotate_k(stored[0], torch.tensor(seg.stored_positions), rows)
+            for j, row in enumerate(rows.tolist()):
+                if row in computed:
+                    continue
+                assert torch.equal(res.kv[layer][1, row], stored[1, j])
+                assert torch.equal(res.kv[layer][0, row], k_rot[j])
+    assert c.recomputed_tokens_per_layer[2:] == [len(computed)] * (engine.spec.num_layers - 2)
+
+
+@pytest.mark.parametrize("score", ["k", "v", "kv"])
+def test_selected_rows_are_the_top_k_deviation(make_setup, score):
+    from blend.engine import BlendEngine
+
+    engine, client, chunks = _setup(make_setup)
+    engine = BlendEngine(engine.model, client, score=score)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    plan = plan_for(ids, spans, client, ratio=0.25)
+    res = engine.blend(plan)
+    full = engine.prefill(ids)
+    # At the check layer (1) the fresh K and V equal full prefill's.
+    reused = [r for s in plan.hit_segments for r in range(s.start, s.end)]
+    cached = torch.zeros_like(full.kv[1])
+    for seg in plan.hit_segments:
+        stored = client.read_layer(seg.key, 1)
+        cached[0, seg.start:seg.end] = engine.model.rotate_k(
+            stored[0], torch.tensor(seg.stored_positions), torch.arange(seg.start, seg.end))
+        cached[1, seg.start:seg.end] = stored[1]
+    dev_k, dev_v = ((full.kv[1][:, reused] - cached[:, reused]).square().sum(dim=(2, 3)))
+    dev = {"k": dev_k, "v": dev_v, "kv": dev_k + dev_v}[score]
+    expect = {reused[i] for i in torch.topk(dev, res.counters.selected_tokens).indices.tolist()}
+    assert expect <= set(res.recompute_idx.tolist())
+
+
+def test_threshold_drops_low_scorers(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    base = engine.blend(plan_for(ids, spans, client, ratio=0.5))
+    high = engine.blend(plan_for(ids, spans, client, ratio=0.5, thresholds=(1e30,)))
+    assert base.counters.selected_tokens == 36
+    assert high.counters.selected_tokens == 0
+
+
+def test_second_check_layer_shrinks_the_set(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    from blend_factories import NAMESPACE
+
+    from blend.config import BlendConfig
+    from blend.planner import make_plan
+    plan = make_plan(ids, spans, NAMESPACE, client,
+                     BlendConfig(check_layers=(1, 2), recompute_ratios=(0.5, 0.2), min_tokens=0),
+                     query_to_engine=True)
+    res = engine.blend(plan)
+    per_layer = res.counters.recomputed_tokens_per_layer
+    always = len(ids) - 72
+    assert per_layer[:2] == [len(ids)] * 2
+    assert per_layer[2] == always + 36          # computed at check layer 2: the first set
+    assert per_layer[3] == always + 15          # ceil(0.2 * 72)
+    assert res.counters.selected_tokens == 15
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_full_hit_reordered(make_setup, order):
+    """All permutations of 3 cached chunks: every chunk hits; ratio 1.0 = full prefill."""
+    engine, client, chunks = _setup(make_setup, chunk_len=16)
+    ids, spans = blend_prompt([1, 2], [chunks[i] for i in order], [4, 5, 6])
+    plan = plan_for(ids, spans, client, ratio=1.0)
+    assert len(plan.hit_segments) == 3
+    res = engine.blend(plan)
+    assert res.counters.num_hit_segments == 3 and res.counters.reused_tokens == 48
+    full = engine.prefill(ids)
+    assert_close(res.logits, full.logits, **F32_TOL)
+    assert_close(res.kv[-1], full.kv[-1], **F32_TOL)
+    again = engine.blend(plan_for(ids, spans, client, ratio=1.0))  # the same prompt twice
+    assert torch.equal(again.logits, res.logits)
+
+
+def test_hits_after_a_miss(make_setup):
+    engine, client, chunks = _setup(make_setup, num_chunks=3)
+    new = random_chunks(1, 24, seed=99)[0]
+    ids, spans = blend_prompt([1, 2, 3], [new, chunks[2], chunks[1], chunks[0]], [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    assert [s.hit for s in plan.segments if s.kind == "chunk"] == [False, True, True, True]
+    res = engine.blend(plan)
+    c = res.counters
+    assert c.num_hit_segments == 3 and c.reused_tokens == 72
+    assert c.computed_tokens == len(ids) - 72   # prefix, separators, c4, query
+    assert c.selected_tokens == 11
+    ratio_one = engine.blend(plan_for(ids, spans, client, ratio=1.0))
+    assert_close(ratio_one.logits, engine.prefill(ids).logits, **F32_TOL)
+
+
+def test_recompute_actually_happens(make_setup, caplog):
+    engine, client, chunks = _setup(make_setup, num_chunks=6, chunk_len=50)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    with caplog.at_level("DEBUG", logger="blend.engine"):
+        res = engine.blend(plan_for(ids, spans, client, ratio=0.15, min_tokens=256))
+    c = res.counters
+    assert c.reused_tokens == 300 and c.selected_tokens == 45
+    assert c.load_wait_s >= 0 and c.compute_s > 0
+    assert "reused=300" in caplog.text and "selected=45" in caplog.text
+
+
+def test_unreadable_chunk_falls_back_to_full_prefill(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    client.delete([plan.hit_segments[1].key])  # gone between lookup and fetch
+    res = engine.blend(plan)
+    c = res.counters
+    assert c.num_hit_segments == 0 and c.reused_tokens == 0
+    assert "could not be read" in c.full_prefill_reason
+    assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)
+
+
+def test_forced_recompute(make_setup):
+    import dataclasses
+
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    first = plan.hit_segments[0].start
+    forced = dataclasses.replace(plan, forced_recompute=(first, first + 3))
+    res = engine.blend(forced)
+    assert res.counters.selected_tokens == 2
+    assert {first, first + 3} <= set(res.recompute_idx.tolist())
+    assert first + 1 not in set(res.recompute_idx.tolist())
+
+
+def test_on_layer_sees_every_final_layer(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    seen = {}
+    res = engine.blend(plan_for(ids, spans, client), on_layer=lambda i, kv: seen.__setitem__(i, kv.clone()))
+    assert sorted(seen) == list(range(engine.spec.num_layers))
+    for i, kv in seen.items():
+        assert torch.equal(kv, res.kv[i])
+
+
+def test_query_left_to_the_serving_engine(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    plan = plan_for(ids, spans, client, ratio=1.0, query_to_engine=False)
+    assert plan.blend_end == len(ids) - 3
+    res = engine.blend(plan, want_logits=False)
+    assert res.logits is None and res.kv[0].shape[1] == plan.blend_end
+    full = engine.prefill(ids[:plan.blend_end], want_logits=False)
+    for got, want in zip(res.kv, full.kv, strict=True):
+        assert_close(got, want, **F32_TOL)
+
+
+def test_layer_l_plus_1_is_requested_before_layer_l_is_computed(make_setup):
+    """§5 pipelining: while layer l is computed the source is already reading layer l+1.
+    The wrapped model's qkv(l) waits until fetch_layer(l+1) has been called; an engine that
+    fetched on demand would time out here."""
+    import threading
+
+    engine, client, chunks = _setup(make_setup)
+    called = {i: threading.Event() for i in range(engine.spec.num_layers + 2)}
+
+    class Source:
+        def lookup(self, keys):
+            return client.lookup(keys)
+
+        def fetch_layer(self, keys, layer_idx):
+            called[layer_idx].set()
+            return client.fetch_layer(keys, layer_idx)
+
+    class Model:
+        def __init__(self, inner):
+            self.inner, self.spec, self.scale = inner, inner.spec, inner.scale
+            self.device, self.dtype = inner.device, inner.dtype
+            self.waited = []
+
+        def qkv(self, layer_idx, *a):
+            if 1 <= layer_idx < self.spec.num_layers - 1:
+                self.waited.append(called[layer_idx + 1].wait(timeout=10))
+            return self.inner.qkv(layer_idx, *a)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    from blend.engine import BlendEngine
+
+    model = Model(engine.model)
+    pipelined = BlendEngine(model, Source())
+    ids, spans = blend_prompt([1, 2], chunks, [4, 5])
+    res = pipelined.blend(plan_for(ids, spans, client, ratio=0.15))
+    pipelined.close()
+    assert model.waited and all(model.waited)
+    assert_close(res.logits, engine.blend(plan_for(ids, spans, client, ratio=0.15)).logits, rtol=0, atol=0)
+    assert not called[0].is_set()  # layers below the check layer never touch the cache
