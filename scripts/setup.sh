@@ -9,11 +9,14 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 PY=${PYTHON:-python3}
 
-# --- system services used by tests and the demo (Redis) -------------------------
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[setup] installing redis-server (apt)"
+# --- system packages: redis-server (tests, demo), chromium (the dashboard DOM test) ----
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] installing ${missing[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # --- the virtualenv ---------------------------------------------------------------
