@@ -7,8 +7,11 @@ divides the scheduler's block size, so callers never need the kernel block size.
 
 Layouts supported (``N`` = blocks, ``B`` = block size, ``H`` = KV heads, ``D`` = head dim)::
 
-    cpu         [N, H, B, 2*D]   vLLM 0.32 CPU backend: per (block, head), B rows of K then
-                                 B rows of V (the kernel views it as [N, H, 2*B, D])
+    cpu         [N, H, B, 2*D]   vLLM 0.32 CPU backend, ISA 'vec' (x86 without AMX): per
+                                 (block, head), K transposed [D, B], then V [B, D] (located
+                                 element by element on a live engine; other CPU ISAs tile
+                                 differently, so the connector writes through the backend's
+                                 own ``do_kv_cache_update`` and uses this layout for reads)
     packed      [N, H, B, 2*D]   vLLM 0.32 logical per-layer view of the GPU backends
                                  (FlashAttention, FlashInfer): K = [..., :D], V = [..., D:]
     flash_attn  [2, N, B, H, D]  FlashAttention's classic layout (vLLM <= 0.11)
@@ -44,8 +47,11 @@ def kv_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
         if layout == "cpu":
             if not cache.is_contiguous():
                 raise ValueError("the cpu layout needs a contiguous cache")
-            kv = cache.view(num_blocks, num_heads, 2, block_size, two_d // 2)  # [N, H, 2, B, D]
-            k, v = kv[:, :, 0], kv[:, :, 1]                                      # [N, H, B, D]
+            head_dim = two_d // 2
+            kv = cache.view(num_blocks, num_heads, 2, block_size * head_dim)     # [N, H, 2, B*D]
+            k_t = kv[:, :, 0].view(num_blocks, num_heads, head_dim, block_size)  # [N, H, D, B]
+            v = kv[:, :, 1].view(num_blocks, num_heads, block_size, head_dim)    # [N, H, B, D]
+            return k_t.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)                # [N, B, H, D]
         else:
             k, v = cache[..., : two_d // 2], cache[..., two_d // 2:]            # [N, H, B, D]
         return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)                      # [N, B, H, D]

@@ -57,14 +57,14 @@ def current_model():
 class KVBlendLlamaForCausalLM(LlamaForCausalLM):
     """vLLM's ``LlamaForCausalLM``, recorded for :func:`current_model`."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         _track(self)
 
 
 class KVBlendQwen2ForCausalLM(Qwen2ForCausalLM):
     """vLLM's ``Qwen2ForCausalLM``, recorded for :func:`current_model`."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         _track(self)

