@@ -38,6 +38,7 @@ class Segment:
         hit: whether the chunk's KV is cached (``chunk`` only).
         stored_positions: positions the cached K was rotated at (hits only; canonical
             chunks are stored at ``0..n-1``).
+        tier: the tier that answered the lookup (hits only; e.g. ``host``, ``disk``).
     """
 
     kind: str
@@ -46,6 +47,7 @@ class Segment:
     key: ChunkKey | None = None
     hit: bool = False
     stored_positions: tuple[int, ...] = ()
+    tier: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -85,7 +85,8 @@ def make_plan(token_ids: Sequence[int], spans: Sequence[tuple[str, int, int]], n
             chunk_i += 1
             hit = meta is not None and meta.num_tokens == e - s and len(meta.positions) == e - s
             segments.append(Segment(CHUNK, s, e, key=key, hit=hit,
-                                    stored_positions=tuple(meta.positions) if hit else ()))
+                                    stored_positions=tuple(meta.positions) if hit else (),
+                                    tier=str(getattr(meta, "tier", "") or "") if hit else ""))
         else:
             segments.append(Segment(kind, s, e))
     query_start = next((s.start for s in segments if s.kind == QUERY), n)

@@ -56,6 +56,24 @@ def layer_tensor(raw: memoryview | bytes, shape: tuple[int, ...], dtype: str) ->
     return torch.frombuffer(mv, dtype=torch.uint8).view(TORCH_DTYPES[dtype]).view(shape)
 
 
+def local_client(config, device: str | torch.device = "cpu") -> LocalCacheClient:
+    """The machine-local cache used when no Ray cluster is reachable.
+
+    A :class:`~tiers.disk.DiskTier` in ``shared`` mode under ``<cache_dir>/local-cache`` (or
+    ``disk_path``/local), so that every process of this machine — a vLLM engine's scheduler
+    and worker processes, ``kvblend ingest`` — sees the chunks the others stored.
+    """
+    import os
+
+    from cluster.config import cache_dir
+    from tiers.disk import DiskTier
+
+    root = config.tiers.disk_path or cache_dir(config)
+    tier = DiskTier(os.path.join(root, "local-cache"), int(config.tiers.disk_size_gib * 2**30),
+                    config.tiers.eviction_policy, name="disk", shared=True)
+    return LocalCacheClient(tier, device=device, compress=config.tiers.compression == "lz4")
+
+
 class LocalCacheClient:
     """Cache client over tiers in this process (no Ray): tests, and a process without Ray.
 

@@ -191,12 +191,31 @@ class _Stats:
                 os.close(fd)
 
 
+def _count_tiers(segments) -> dict[str, int]:
+    """Hit segments per tier that answered the lookup (``host``, ``disk``, ...)."""
+    out: dict[str, int] = {}
+    for seg in segments:
+        out[seg.tier or "unknown"] = out.get(seg.tier or "unknown", 0) + 1
+    return out
+
+
 def read_stats(path: str) -> list[dict]:
     """Events written by connectors to ``stats_path`` (tests, demo)."""
     if not os.path.exists(path):
         return []
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def wait_for_stores(path: str, count: int, timeout_s: float = 120.0) -> bool:
+    """Wait until ``stats_path`` holds at least ``count`` ``store`` events (the connector's
+    background stores finished), so a following request sees the chunks. False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(1 for e in read_stats(path) if e.get("event") == "store") >= count:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 # ----------------------------------------------------------------------------- connector
@@ -362,6 +381,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             self._stats.write("lookup", request_id=rid, path=path, num_tokens=n,
                               num_segments=len([s for s in plan.segments if s.kind == CHUNK]),
                               num_hit_segments=len(plan.hit_segments),
+                              tier_hits=_count_tiers(plan.hit_segments),
                               reusable_tokens=plan.num_reused_tokens, blend_end=plan.blend_end,
                               full_prefill_reason=plan.full_prefill_reason,
                               num_store_segments=len(state.store_segments))

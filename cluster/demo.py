@@ -129,6 +129,7 @@ class ModeResult:
     wall_s: float = 0.0
     ingest_s: float = 0.0
     startup_s: float = 0.0
+    ingest_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
     def summary(self, full: ModeResult | None, golds) -> dict:
@@ -139,9 +140,9 @@ class ModeResult:
                "ttft_mean_s": statistics.fmean(self.ttft_s),
                "end_to_end_s": self.wall_s + self.ingest_s,
                "ingest_s": self.ingest_s,
-               "gold_f1": statistics.fmean(max_f1(a, g) for a, g in zip(self.answers, golds))}
+               "gold_f1": statistics.fmean(max_f1(a, g) for a, g in zip(self.answers, golds, strict=True))}
         if full is not None:
-            out["agreement"] = statistics.fmean(token_f1(a, b) for a, b in zip(self.answers, full.answers))
+            out["agreement"] = statistics.fmean(token_f1(a, b) for a, b in zip(self.answers, full.answers, strict=True))
         out.update(self.extra)
         return out
 
@@ -166,13 +167,16 @@ def _read_stats(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def _serve_queries(mode: str, replicas, workload: Workload, prompts, warm_prompts, max_tokens) -> ModeResult:
+def _serve_queries(mode: str, replicas, workload: Workload, prompts, warm_prompts, max_tokens,
+                   after_warmup=None) -> ModeResult:
     from cluster.serving import complete
 
     res = ModeResult(mode)
-    for i, prompt in enumerate(warm_prompts):  # equal warm-up for every mode
+    for prompt in warm_prompts:  # equal warm-up for every mode
         for rep in replicas:
             complete(rep.url, prompt, max_tokens=2)
+    if after_warmup is not None:
+        after_warmup()
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         rep = replicas[i % len(replicas)]
@@ -278,17 +282,17 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
 
 
 def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_prompts, workdir, ray_address):
-    from cluster.clients import open_client
     from cluster.config import load_config
     from cluster.ingest import build_engine, ingest_passages
     from cluster.namespace import namespace_for
+    from cluster.ray_util import make_client
     from cluster.serving import start_replica, wait_ready
 
     # 1. ingest (timed), through the engine's model, into the shared cache
     cfg = load_config(overrides={"ray_address": ray_address})
     namespace = namespace_for(model_path, "bfloat16")
     engine, _ = build_engine(model_path, "bfloat16")
-    client = open_client(cfg, namespace)
+    client = make_client(cfg, namespace.digest())
     report = ingest_passages(workload.ingest, engine, tokenizer, client, namespace.digest())
     print(f"ingest: {report.stored} passages, {report.tokens} tokens in {report.seconds:.1f} s "
           f"({report.tokens_per_s:.0f} tokens/s)")
@@ -304,14 +308,16 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
         for r in reps:
             wait_ready(r)
         startup = time.perf_counter() - t0
-        res = _serve_queries("kvblend", reps, workload, prompts, warm_prompts, args.max_tokens)
+        mark = {}
+        res = _serve_queries("kvblend", reps, workload, prompts, warm_prompts, args.max_tokens,
+                             after_warmup=lambda: mark.setdefault("n", len(_read_stats(stats_path))))
     finally:
         for r in reps:
             r.stop()
     res.startup_s = startup
     res.ingest_s = report.seconds
-    stats = _read_stats(stats_path)[-len(prompts):]
-    res.extra = _connector_summary(stats)
+    res.ingest_tokens = report.tokens
+    res.extra = _connector_summary(_read_stats(stats_path)[mark.get("n", 0):])
     status = _kvblend_cli("status", "--json", check=False)
     if status.returncode == 0:
         try:
@@ -321,21 +327,29 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
     return res
 
 
-def _connector_summary(stats: list[dict]) -> dict:
-    """Aggregate the connector's per-request records (see cluster.connector's stats_path)."""
-    def total(key):
-        return sum(float(s.get(key, 0) or 0) for s in stats)
-    segs = total("num_segments")
-    hits = total("num_hit_segments")
-    out = {"requests_logged": len(stats), "segments": segs, "hit_segments": hits,
-           "hit_rate": hits / segs if segs else 0.0,
-           "reused_tokens": total("reused_tokens"), "recomputed_tokens": total("selected_tokens"),
-           "computed_tokens": total("computed_tokens"), "fallbacks": total("fallback")}
+def _connector_summary(events: list[dict]) -> dict:
+    """Aggregate the connectors' events of the measured queries (cluster.connector's stats_path):
+    ``lookup`` events say which segments hit, ``load`` events what the blend engine did."""
+    lookups = [e for e in events if e.get("event") == "lookup"]
+    loads = [e for e in events if e.get("event") == "load"]
+    stores = [e for e in events if e.get("event") == "store"]
+
+    def total(rows, key):
+        return sum(float(r.get(key, 0) or 0) for r in rows)
+    segs = total(lookups, "num_segments")
+    hits = total(lookups, "num_hit_segments")
+    out = {"requests": len(lookups), "blended_requests": sum(1 for e in loads if e.get("path") == "blend"),
+           "segments": segs, "hit_segments": hits, "hit_rate": hits / segs if segs else 0.0,
+           "reused_tokens": total(loads, "reused_tokens"),
+           "recomputed_tokens": total(loads, "selected_tokens"),
+           "computed_tokens": total(loads, "computed_tokens"),
+           "fallbacks": sum(1 for e in loads if e.get("fallback")),
+           "stored_segments": total(stores, "stored")}
     tiers: dict[str, float] = {}
-    for s in stats:
-        for tier, n in (s.get("tier_hits") or {}).items():
+    for e in lookups:
+        for tier, n in (e.get("tier_hits") or {}).items():
             tiers[tier] = tiers.get(tier, 0) + n
-    if segs:
+    if segs and tiers:
         out["hit_rate_per_tier"] = {t: n / segs for t, n in tiers.items()}
     return out
 

@@ -74,7 +74,7 @@ def ingest_passages(passages: Sequence[str], engine, tokenizer, client, namespac
         ids = [chunk_token_ids(tokenizer, p) for p in batch]
         keys = [segment_key(namespace_digest, i) for i in ids]
         present = client.contains(keys)
-        for key, token_ids, have in zip(keys, ids, present):
+        for key, token_ids, have in zip(keys, ids, present, strict=True):
             if have:
                 skipped += 1
             else:
@@ -103,11 +103,11 @@ def build_engine(model_path: str, dtype: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.clients import open_client
     from cluster.config import cache_dir, load_config
     from cluster.model import resolve_model
     from cluster.namespace import namespace_for
     from cluster.qa import load_examples
+    from cluster.ray_util import make_client
 
     overrides = {}
     if args.model:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     rows = load_examples(args.data, limit=args.limit)
     passages = unique_passages(rows)
     engine, tokenizer = build_engine(model_path, args.dtype)
-    client = open_client(config, namespace)
+    client = make_client(config, namespace.digest())
     report = ingest_passages(passages, engine, tokenizer, client, namespace.digest())
     print(f"ingested {report.stored} passages ({report.tokens} tokens) in {report.seconds:.1f} s "
           f"({report.tokens_per_s:.0f} tokens/s); {report.skipped} already cached")

@@ -161,17 +161,19 @@ def make_client(config, namespace: str | None = None, **kwargs):
         config: a :class:`cluster.config.KVBlendConfig`.
         namespace: the chunk namespace digest this client reads and writes (for ``clear``).
     """
-    from cluster.client_api import LocalCacheClient
+    from cluster.client_api import local_client
 
+    device = kwargs.get("device", "cpu")
     ray = connect(config.cluster)
     if ray is None:
         warn_once("kvblend: Ray is not reachable at ray_address=%r; running without the "
-                  "shared cache (a local in-process cache only)", config.cluster.ray_address)
-        return LocalCacheClient()
+                  "shared cache (a machine-local disk cache only)", config.cluster.ray_address)
+        return local_client(config, device=device)
     if not shard_names(config.cluster.ray_namespace):
         warn_once("kvblend: no cache shards in Ray namespace %r (run `kvblend server`); "
-                  "running without the shared cache", config.cluster.ray_namespace)
-        return LocalCacheClient()
+                  "running without the shared cache (a machine-local disk cache only)",
+                  config.cluster.ray_namespace)
+        return local_client(config, device=device)
     from cluster.client import CacheClient
 
     return CacheClient(config, namespace, **kwargs)

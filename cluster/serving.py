@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def kv_transfer_config(extra: dict | None = None) -> str:
     cfg = {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
-           "kv_role": "kv_both"}
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
     if extra:
         cfg["kv_connector_extra_config"] = extra
     return json.dumps(cfg, separators=(",", ":"))

@@ -7,14 +7,23 @@ Services (redis-server, the S3 endpoint, Ray) are started by fixtures in
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Chunks a test stores without Ray go to the machine-local disk cache (cluster.client_api.
+# local_client) under disk_path: keep each test session's in a fresh directory, never in the
+# user's ~/.cache/kvblend, so no run sees another run's chunks.
+os.environ.setdefault("KVBLEND_DISK_PATH", tempfile.mkdtemp(prefix="kvblend-test-disk-"))
 
 
 def pytest_collection_modifyitems(config, items):
+    # tests/cluster holds one Ray cluster for the whole session (session-scoped fixture, torn
+    # down at the end): run those tests last so no other test's `kvblend server` or vLLM
+    # connector joins that cluster by ray_address="auto".
+    items.sort(key=lambda item: "/tests/cluster/" in str(item.fspath))
     try:
         import torch
 

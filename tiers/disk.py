@@ -49,6 +49,10 @@ class DiskTier:
         fsync: fsync each file and its directory on put (durable across power loss); turn
             off only for throwaway caches.
         name: tier name in stats.
+        shared: other processes write into the same directory (a machine-local cache shared
+            by a vLLM engine's scheduler and worker processes): a key missing from this
+            process's index is looked up on disk and adopted when its file exists. Eviction
+            stays per process; a file removed by another process is a miss.
 
     Raises:
         ValueError: negative capacity or unknown policy.
@@ -56,8 +60,9 @@ class DiskTier:
     """
 
     def __init__(self, path: str, capacity_bytes: int, policy: str = "lru", *,
-                 fsync: bool = True, name: str = "disk") -> None:
+                 fsync: bool = True, name: str = "disk", shared: bool = False) -> None:
         self.name = name
+        self.shared = shared
         self.path = os.path.abspath(path)
         self.fsync = fsync
         self._index = EvictionIndex(capacity_bytes, policy)
@@ -114,7 +119,23 @@ class DiskTier:
         return self._index.capacity_bytes
 
     def _ready(self, key: ChunkKey) -> bool:
-        return key in self._index and key not in self._pending
+        if key in self._index:
+            return key not in self._pending
+        return self.shared and self._adopt(key)
+
+    def _adopt(self, key: ChunkKey) -> bool:
+        """Index a file that another process wrote since our rebuild (``shared``; lock held)."""
+        try:
+            size = os.stat(self._file(key)).st_size
+        except OSError:
+            return False
+        victims = self._index.admit(key, size)
+        if victims is None:
+            return False
+        for v in victims:
+            _unlink(self._file(v))
+            self._stats["evictions"] += 1
+        return True
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -7,10 +7,13 @@ One run, one process, per prompt length (4K, 8K, 16K, 32K tokens by default)::
 * a Llama-3-8B / Mistral-7B-shaped model (32 layers, hidden 4096, 32 heads, 8 KV heads,
   head_dim 128, MLP 14336, bf16) with random weights built on the GPU:
   ``transformers.LlamaForCausalLM`` wrapped by :class:`blend.adapters.hf.HFModelAdapter`;
-  the adapter's ``rotate_k`` is served by :func:`blend.ops.rerotate_k_` (Triton) and, with
-  ``--attention ops`` (default), the engine's ``attend`` by :func:`blend.ops.attend`
-  (FlexAttention for selected rows) -- the integration ``blend/ops.py`` proposes;
-  ``--attention engine`` measures :mod:`blend.engine` exactly as it is;
+  the engine re-rotates, scores and selects with :mod:`blend.ops` (Triton) and, with
+  ``--attention ops`` (default), attends with :func:`blend.ops.attend` (FlexAttention for
+  selected rows); ``--attention engine`` swaps in the plain-torch reference
+  :func:`blend.attention.attend` (where attention time goes);
+* tensor parallelism (``BlendEngine(process_group=...)`` with
+  :class:`blend.adapters.hf_tp.HFTensorParallelAdapter`, issue 10) is not timed here: that
+  needs one process per GPU (``torchrun``), not this single-process run;
 * every chunk's canonical KV is computed once and put into a :class:`tiers.gpu.GpuTier`, a
   :class:`tiers.host.HostTier` (encoded objects, raw) and a :class:`tiers.disk.DiskTier`;
 * ``full_s``: :meth:`BlendEngine.prefill` (causal SDPA: flash/cuDNN, never a mask), token
@@ -59,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-layer", type=int, default=1, help="check layer (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median; default 3)")
     p.add_argument("--attention", choices=("ops", "engine"), default="ops",
-                   help="ops: blend.ops attention/rotation in the engine (default); engine: as is")
+                   help="ops: blend.ops.attend in the engine (default); engine: the reference blend.attention.attend")
     p.add_argument("--engine-lengths", default="",
                    help="also time blend_gpu with --attention engine at these lengths (where time goes)")
     p.add_argument("--profile-length", type=int, default=0,
@@ -165,7 +168,9 @@ class _Bench:
 
         self.torch, self.args, self.device = torch, args, device
         self.engine_module, self.ops = engine_module, ops
-        self.original_attend = engine_module.attend
+        from blend import attention
+
+        self.original_attend = attention.attend  # the reference the engine used before issue 9
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         shape = MODEL_TINY if args.tiny else MODEL_7B
         dtype = torch.bfloat16 if device.type == "cuda" or not args.tiny else torch.float32
@@ -467,6 +472,7 @@ class FastLlama:
                 layer.mlp.down_proj.weight)) for layer in core.layers]
             self._norm, self._lm_head = core.norm.weight.detach(), hf_model.lm_head.weight.detach()
             self._inv_freq = core.rotary_emb.inv_freq.detach().to(self._device, torch.float32)
+            self.inv_freq = self._inv_freq  # what the engine re-rotates cached K with
             scaling = float(getattr(core.rotary_emb, "attention_scaling", 1.0))
             max_pos = max(spec.max_position, 1)
             freqs = torch.outer(torch.arange(max_pos, device=self._device, dtype=torch.float32), self._inv_freq)

@@ -4,9 +4,9 @@ bytes, the only exception is FormatError; plus regressions the fuzz found."""
 from __future__ import annotations
 
 import pytest
-from conftest import make_key, make_kv, make_object
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tier_factories import make_key, make_kv, make_object
 
 from tiers.format import FormatError, decode_layer, parse_header
 from tiers.host import HostTier

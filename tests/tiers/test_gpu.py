@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_key, make_kv, make_object
+from tier_factories import make_key, make_kv, make_object
 
 from tiers.gpu import GpuTier
 from tiers.host import HostTier

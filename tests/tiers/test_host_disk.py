@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import make_key, make_kv, make_object
+from tier_factories import make_key, make_kv, make_object
 
 from tiers.disk import DiskTier
 from tiers.host import HostTier

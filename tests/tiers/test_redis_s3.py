@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import botocore.exceptions
 import pytest
-from conftest import as_layer, layer_buffers, make_key, make_kv, make_object
+from tier_factories import as_layer, layer_buffers, make_key, make_kv, make_object
 
 from cluster.services import free_port, start_redis, start_redis_process
 from tiers.reader import ReadCounters, read_layers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import as_layer, layer_buffers, make_key, make_kv, make_object
+from tier_factories import as_layer, layer_buffers, make_key, make_kv, make_object
 
 from tiers.format import CODEC_LZ4, parse_header
 from tiers.host import HostTier

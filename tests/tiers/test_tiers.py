@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from conftest import (
+from tier_factories import (
     BYTE_TIERS,
     as_layer,
     layer_buffers,
