@@ -38,7 +38,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
-           scale: float) -> torch.Tensor:
+           scale: float, rows: object = None) -> torch.Tensor:
     """Causal attention of query rows at prompt positions ``query_idx`` over all keys.
 
     Args:
@@ -47,6 +47,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.T
         query_idx: prompt position of each query row (any order); None means all rows
             ``0..T-1`` in order (plain causal prefill).
         scale: softmax scale (``head_dim ** -0.5`` for these models).
+        rows: ignored; accepted so that this reference is a drop-in for
+            :func:`blend.ops.attend`, which takes the mask prepared by :func:`blend.ops.prepare_rows`.
 
     Shapes:
         q: ``[Q, Hq, D]``; k, v: ``[T, H, D]``; query_idx: ``[Q]`` int64 in ``[0, T)``.

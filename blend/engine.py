@@ -18,6 +18,17 @@ background thread before layer ``l`` is computed, so loading overlaps compute (Â
 below the first check layer never need the cache. A chunk whose layer cannot be read (None
 from the source, wrong shape) turns the request into full prefill, never a failure.
 
+Per layer above the first check layer the engine allocates one ``[2, N, H, D]`` buffer, puts
+the hit chunks into their rows (K re-rotated in place by :func:`blend.ops.rerotate_k_`), scores and
+selects at check layers straight from that buffer (:func:`blend.ops.k_deviation_scores`,
+:func:`blend.ops.select_top`), writes the computed rows over it and attends over it
+(:func:`blend.ops.attend`; on CUDA with one block mask built at the last check layer). That
+buffer is the layer's result: no other pass over the layer's KV. The fast paths dispatch to
+Triton/FlexAttention on CUDA and to the plain-torch references elsewhere (issue 9: the engine
+was CPU-bound below 16K tokens on an H200, ~2.5 ms of launches and copies per layer).
+With a ``process_group`` (tensor parallelism by KV heads, issue 10) the check layer's scores are
+summed over the ranks before top-k, so every rank selects the same rows.
+
 Axis letters: T = N prompt tokens blended, R reused rows, A computed rows, H KV heads,
 Hq query heads, D head dim, E hidden, V vocab.
 """
@@ -32,11 +43,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blend.attention import attend
+from blend import ops
+from blend.ops import attend
 from blend.plan import CHUNK, BlendPlan
 from blend.protocols import BlendModel, KVSource
-from blend.rope import check_blendable
-from blend.selection import k_deviation, num_to_select, select_top
+from blend.rope import check_blendable, inv_freq_for
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +117,24 @@ class BlendEngine:
         source: cached chunk KV (None: every request is full prefill).
         score: deviation that ranks reused tokens at a check layer: ``"k"`` (the paper's
             K deviation, default), ``"v"`` (V deviation) or ``"kv"`` (their sum).
+        process_group: the tensor-parallel group when the model is sharded by KV heads (each
+            rank blends its own heads, from chunks stored under its own rank's namespace).
+            The per-token scores of a check layer are summed over the group
+            (``all_reduce``) before top-k, so every rank selects the same rows; a layer that
+            one rank cannot read sends every rank to full prefill together. Every rank must
+            call :meth:`blend` with the same plan segments, hits and ratios. Reductions the
+            model itself needs (row-parallel projections) are the model adapter's business.
+            None: no tensor parallelism.
+
+    Re-rotation of cached K uses the model's ``inv_freq`` ``[D/2]`` when it has one, else
+    :func:`blend.rope.inv_freq_for` of its spec (what :meth:`BlendModel.rotate_k` uses).
 
     The engine keeps no per-request state between calls; one background thread (started on
     first use) reads layers from the source.
     """
 
-    def __init__(self, model: BlendModel, source: KVSource | None = None, *, score: str = "k") -> None:
+    def __init__(self, model: BlendModel, source: KVSource | None = None, *, score: str = "k",
+                 process_group: torch.distributed.ProcessGroup | None = None) -> None:
         if score not in SCORES:
             raise ValueError(f"score={score!r}: choose one of {SCORES}")
         self.score = score
@@ -119,6 +142,11 @@ class BlendEngine:
         self.source = source
         self.spec = model.spec
         self.scale = float(getattr(model, "scale", self.spec.head_dim ** -0.5))
+        self.process_group = process_group
+        self._group_device = torch.device("cpu")
+        if process_group is not None and torch.distributed.get_backend(process_group) == "nccl":
+            self._group_device = model.device
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ public
@@ -197,6 +225,15 @@ class BlendEngine:
             raise ValueError(f"prompt of {num_tokens} tokens exceeds the model's context window "
                              f"({self.spec.max_position} positions)")
 
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """Inverse RoPE frequencies ``[D/2]`` float32 on ``device``, built once per device."""
+        inv = self._inv_freq.get(device)
+        if inv is None:
+            own = getattr(self.model, "inv_freq", None)
+            inv = (own if own is not None else inv_freq_for(self.spec)).to(device, torch.float32)
+            self._inv_freq[device] = inv
+        return inv
+
     def _log(self, c: BlendCounters) -> None:
         log.debug("blend: segments=%d hits=%d reused=%d computed=%d selected=%d "
                   "recomputed_per_layer=%s load_wait_s=%.4f compute_s=%.4f full_prefill_reason=%s",
@@ -231,13 +268,32 @@ class BlendEngine:
             logits = model.logits(hidden[-1:], residual[-1:])[0] if want_logits else None
         return BlendResult(kv_layers, logits, positions.clone(), counters)
 
-    def _scores(self, k_fresh, k_cached, v_fresh, v_cached) -> torch.Tensor:
-        """Deviation per reused row ``[Rc]`` float32 (see ``score``)."""
+    def _scores(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, fresh_idx: torch.Tensor,
+                cached_idx: torch.Tensor) -> torch.Tensor:
+        """Deviation ``[Rc]`` float32 of fresh rows ``k[fresh_idx]`` (``v``) from cached rows
+        ``kv[:, cached_idx]`` (see ``score``), summed over this rank's KV heads and then over
+        the ranks of ``process_group`` (so every rank ranks the same numbers)."""
         if self.score == "k":
-            return k_deviation(k_fresh, k_cached)
-        if self.score == "v":
-            return k_deviation(v_fresh, v_cached)
-        return k_deviation(k_fresh, k_cached) + k_deviation(v_fresh, v_cached)
+            scores = ops.k_deviation_scores(k, kv[0], fresh_idx, cached_idx)
+        elif self.score == "v":
+            scores = ops.k_deviation_scores(v, kv[1], fresh_idx, cached_idx)
+        else:
+            scores = (ops.k_deviation_scores(k, kv[0], fresh_idx, cached_idx)
+                      + ops.k_deviation_scores(v, kv[1], fresh_idx, cached_idx))
+        if self.process_group is not None:
+            torch.distributed.all_reduce(scores, op=torch.distributed.ReduceOp.SUM, group=self.process_group)
+        return scores
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        """Whether every rank of ``process_group`` read its layer (a fallback must be taken by
+        all ranks together, or their collectives would no longer match). One tiny
+        ``all_reduce`` per layer above the first check layer; on NCCL its ``int()`` waits for
+        the device (not yet measured: no two-GPU machine, issue 10)."""
+        if self.process_group is None:
+            return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self._group_device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        return int(flag) == 0
 
     def _fetch(self, keys, layer_idx: int) -> list[torch.Tensor | None] | None:
         """Runs on the fetch thread: one layer of every hit chunk, or None on any fault."""
@@ -252,9 +308,13 @@ class BlendEngine:
         model, spec = self.model, self.spec
         device, dtype = model.device, model.dtype
         num_tokens = plan.blend_end
+        shape = (num_tokens, spec.num_kv_heads, spec.head_dim)
         hits = [s for s in plan.hit_segments if s.end <= num_tokens]
         keys = [s.key for s in hits]
-        # Per-row bookkeeping.  hit_rows: prompt rows covered by hit chunks ([Rh], ascending).
+        # Per-request bookkeeping, built once on the host and moved to the device once.
+        #   hit_rows   [Rh] int64: prompt rows covered by hit chunks, ascending
+        #   stored_pos [Rh] int64: positions their cached K was rotated at
+        #   is_reused  [N] bool: rows whose KV may stay cached (hit rows minus the logits row)
         hit_rows = torch.cat([torch.arange(s.start, s.end) for s in hits]) if hits \
             else torch.zeros(0, dtype=torch.int64)
         stored_pos = torch.tensor([p for s in hits for p in s.stored_positions], dtype=torch.int64)
@@ -268,15 +328,16 @@ class BlendEngine:
         counters.num_hit_segments = len(hits)
         counters.reused_tokens = num_reused
         counters.computed_tokens = num_tokens - num_reused
-        forced = None
+        forced_d = None
         if plan.forced_recompute is not None:
             forced = torch.zeros(num_tokens, dtype=torch.bool)
             idx = torch.tensor([i for i in plan.forced_recompute if 0 <= i < num_tokens], dtype=torch.int64)
             forced[idx] = True
+            forced_d = forced.to(device)
         check_layers = list(plan.check_layers)
-        first_check = check_layers[0]
-        hit_rows_d, stored_pos_d = hit_rows.to(device), stored_pos.to(device)
-        is_reused_d = is_reused.to(device)
+        first_check, last_check = check_layers[0], max(check_layers)
+        is_reused_d, hit_rows_d, stored_pos_d = is_reused.to(device), hit_rows.to(device), stored_pos.to(device)
+        inv_freq_d = self._inv_freq_on(device) if keys else None
 
         pending: dict[int, Future] = {}
 
@@ -286,70 +347,93 @@ class BlendEngine:
                     self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-fetch")
                 pending[layer_idx] = self._pool.submit(self._fetch, keys, layer_idx)
 
-        def cached_layer(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """Cached K (re-rotated to the prompt positions) and V, ``[N, H, D]`` each; rows
-            that are not hits are zeros (always overwritten by fresh rows)."""
-            k_mix = torch.zeros(num_tokens, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-            v_mix = torch.zeros_like(k_mix)
+        def cached_layer(layer_idx: int) -> torch.Tensor:
+            """This layer's KV buffer ``[2, N, H, D]``: hit rows hold the cached K (re-rotated
+            to the prompt positions) and V; other rows are uninitialized (every one of them
+            is computed, and the caller writes it over the buffer)."""
+            kv = torch.empty((2, *shape), dtype=dtype, device=device)  # [2, N, H, D]
             if not keys:
-                return k_mix, v_mix
+                return kv
             t0 = time.perf_counter()
             got = pending.pop(layer_idx).result()
             counters.load_wait_s += time.perf_counter() - t0
+            why = None
             if got is None or len(got) != len(hits):
-                raise _Fallback(f"layer {layer_idx} of the cached chunks could not be read")
-            for seg, kv in zip(hits, got, strict=True):
-                want = (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim)
-                if kv is None or tuple(kv.shape) != want:
-                    raise _Fallback(f"layer {layer_idx} of chunk {seg.key} could not be read "
-                                    f"({'missing' if kv is None else f'shape {tuple(kv.shape)} != {want}'})")
-            stored = torch.cat([kv.to(device=device, dtype=dtype) for kv in got], dim=1)  # [2, Rh, H, D]
-            k_mix[hit_rows_d] = model.rotate_k(stored[0], stored_pos_d, hit_rows_d)
-            v_mix[hit_rows_d] = stored[1]
-            return k_mix, v_mix
+                why = f"layer {layer_idx} of the cached chunks could not be read"
+            else:
+                for seg, chunk_kv in zip(hits, got, strict=True):
+                    want = (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim)
+                    if chunk_kv is None or tuple(chunk_kv.shape) != want:
+                        why = (f"layer {layer_idx} of chunk {seg.key} could not be read ("
+                               f"{'missing' if chunk_kv is None else f'shape {tuple(chunk_kv.shape)} != {want}'})")
+                        break
+            if not self._all_ranks_ok(why is None):
+                raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank")
+            # One cat and one scatter rather than a copy per chunk: per-layer host overhead is
+            # what bounds the engine below 16K tokens (issue 9). Dispatch alone (tiny tensors,
+            # one CPU thread, 2026-11-29): 8 (64) chunk copies 84 (514) us, cat + index_put
+            # 19 (45) us; the price is one more pass over the hit rows (estimated ~7 us at 4K
+            # tokens of the 7B shape: 32 MiB read and written at H200 bandwidth).
+            stored = torch.cat(got, dim=1).to(device=device, dtype=dtype)  # [2, Rh, H, D]
+            ops.rerotate_k_(stored[0], stored_pos_d, hit_rows_d, inv_freq_d)  # in place
+            kv[:, hit_rows_d] = stored
+            return kv
 
         ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, device=device)
         request(first_check)
         hidden, residual = model.embed(ids), None  # [N, E]
         active = positions  # [A] rows computed in this layer, ascending
+        rows = None         # the final rows' attention mask (CUDA), built at the last check layer
         kv_layers: list[torch.Tensor] = []
         try:
             with torch.no_grad():
                 for layer_idx in range(spec.num_layers):
                     for ahead in range(1, PREFETCH_DEPTH + 1):
                         request(layer_idx + ahead)
-                    q, k, v, residual = model.qkv(layer_idx, hidden, residual, positions[active])
+                    q, k, v, residual = model.qkv(layer_idx, hidden, residual,
+                                                  positions if active is positions else positions[active])
                     counters.recomputed_tokens_per_layer.append(int(active.numel()))
                     if layer_idx < first_check:
                         attn_out = attend(q, k, v, None, self.scale)
                         hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
                         kv = torch.stack((k, v))  # [2, N, H, D]
                     else:
-                        k_all, v_all = cached_layer(layer_idx)  # [N, H, D] each, this layer's own buffers
-                        keep_local = torch.arange(active.numel(), device=device)  # [A'] into active
+                        kv = cached_layer(layer_idx)  # [2, N, H, D], this layer's own buffer
+                        new_active = active
                         if layer_idx in check_layers:
                             i = check_layers.index(layer_idx)
                             cand_local = torch.nonzero(is_reused_d[active]).flatten()  # reused rows computed here
-                            if forced is not None:
-                                sel_local = cand_local[forced.to(device)[active[cand_local]]]
-                            else:
-                                rows = active[cand_local]  # read before fresh rows overwrite them
-                                scores = self._scores(k[cand_local], k_all[rows],
-                                                      v[cand_local], v_all[rows])  # [Rc]
+                            if forced_d is not None:
+                                sel_local = cand_local[forced_d[active[cand_local]]]
+                            else:  # scored before fresh rows overwrite the cached ones
+                                scores = self._scores(k, v, kv, cand_local, active[cand_local])  # [Rc]
                                 threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
-                                n_sel = num_to_select(num_reused, plan.recompute_ratios[i])
-                                sel_local = cand_local[select_top(scores, n_sel, threshold)]
+                                sel_local = ops.select_top(scores, plan.recompute_ratios[i], threshold,
+                                                           cand_local, num_reused=num_reused)
                             keep = ~is_reused_d[active]
                             keep[sel_local] = True
-                            keep_local = torch.nonzero(keep).flatten()
+                            keep_local = torch.nonzero(keep).flatten()  # [A'] into active
                             counters.selected_tokens = int(sel_local.numel())
-                        k_all[active], v_all[active] = k, v  # fresh rows over cached rows
-                        new_active = active[keep_local]
-                        attn_out = attend(q[keep_local], k_all, v_all, new_active, self.scale)
-                        hidden, residual = model.finish_layer(layer_idx, attn_out, residual[keep_local])
+                            new_active = active[keep_local]
+                        if active.numel() == num_tokens:  # every row fresh: plain copies
+                            kv[0].copy_(k)
+                            kv[1].copy_(v)
+                        else:
+                            kv[0, active] = k
+                            kv[1, active] = v
+                        if new_active is not active:
+                            q, residual = q[keep_local], residual[keep_local]
+                        if rows is None and layer_idx >= last_check and new_active.is_cuda and new_active.numel():
+                            # The rows stay fixed from here on: one block mask for every later
+                            # layer (the CPU reference path needs none).
+                            rows = ops.prepare_rows(new_active, num_tokens)
+                        if rows is None:
+                            attn_out = attend(q, kv[0], kv[1], new_active, self.scale)
+                        else:
+                            attn_out = attend(q, kv[0], kv[1], new_active, self.scale, rows)
+                        hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
                         active = new_active
-                        kv = torch.stack((k_all, v_all))  # [2, N, H, D]
                     kv_layers.append(kv)
                     if on_layer is not None:
                         on_layer(layer_idx, kv)

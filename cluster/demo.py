@@ -293,7 +293,10 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
     namespace = namespace_for(model_path, "bfloat16")
     engine, _ = build_engine(model_path, "bfloat16")
     client = make_client(cfg, namespace.digest())
-    report = ingest_passages(workload.ingest, engine, tokenizer, client, namespace.digest())
+    import torch
+
+    report = ingest_passages(workload.ingest, engine, tokenizer, client, namespace.digest(),
+                             kv_dtype=torch.bfloat16)
     print(f"ingest: {report.stored} passages, {report.tokens} tokens in {report.seconds:.1f} s "
           f"({report.tokens_per_s:.0f} tokens/s)")
     del engine

@@ -126,6 +126,12 @@ class HFModelAdapter:
         k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
         return q, k, v, residual
 
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The model's own inverse RoPE frequencies ``[D/2]`` float32 (what :meth:`rotate_k`
+        and the engine's in-place re-rotation use)."""
+        return self._inv_freq
+
     def rotate_k(self, k: torch.Tensor, from_positions: torch.Tensor,
                  to_positions: torch.Tensor) -> torch.Tensor:
         check_rope_linear(self.spec)

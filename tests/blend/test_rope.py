@@ -135,3 +135,25 @@ def test_attention_blocks_and_unsorted_rows_match_reference():
     rows = torch.randperm(num_tokens)[:QUERY_BLOCK * 2 + 10]
     assert_close(attend(q[rows], k, v, rows, 0.35), attend_reference(q[rows], k, v, rows, 0.35),
                  rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_rotation_of_concatenated_chunks_equals_rotating_each_chunk():
+    """The engine re-rotates the K of all hit chunks of a layer, concatenated, in place
+    (:func:`blend.ops.rerotate_k_`): each chunk must get exactly the bits of
+    :func:`blend.rope.rerotate_k` on that chunk alone (what the bit-exactness tests compare)."""
+    from blend import ops
+
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float()  # [32]
+    g = torch.Generator().manual_seed(5)
+    chunks = ((3, 103), (105, 205), (207, 298))  # prompt rows of three hit chunks
+    to = torch.cat([torch.arange(s, e) for s, e in chunks])
+    frm = torch.cat([torch.arange(e - s) for s, e in chunks])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        k = torch.randn(to.numel(), 2, 64, generator=g).to(dtype)
+        got = k.clone()
+        assert ops.rerotate_k_(got, frm, to, inv) is got
+        offset = 0
+        for s, e in chunks:
+            part = slice(offset, offset + e - s)
+            assert torch.equal(got[part], rerotate_k(k[part], frm[part], to[part], inv))
+            offset += e - s

@@ -1,0 +1,133 @@
+"""The README's `kvblend server` and `vllm serve` lines, run verbatim (docs and code cannot drift).
+
+Also ../shared/cases/separator-in-context.md through the real server: passages ingested on
+their own are hit by a chat completion whose user message is one string
+``⟨sep⟩p1⟨sep⟩p2⟨sep⟩p3⟨sep⟩question``, and again in another order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(sys.executable).parent
+
+
+def readme_block(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    block = text.split(f"<!-- {marker}:begin -->", 1)[1].split(f"<!-- {marker}:end -->", 1)[0]
+    code = block.split("```bash", 1)[1].split("```", 1)[0]
+    return code.replace("\\\n", " ").strip()
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def readme_cluster(smollm2_path):
+    server_line = readme_block("kvblend-server")
+    assert server_line.startswith("kvblend server ")
+    r = subprocess.run(["bash", "-c", server_line], env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    yield server_line
+    subprocess.run(["bash", "-c", "kvblend stop"], env=_env(), capture_output=True, timeout=120)
+    subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def readme_vllm(readme_cluster, tmp_path_factory):
+    import requests
+
+    line = readme_block("vllm-serve")
+    assert line.startswith("vllm serve ")
+    port = int(re.search(r"--port (\d+)", line).group(1))
+    log_path = tmp_path_factory.mktemp("vllm") / "serve.log"
+    with open(log_path, "w") as fh:
+        proc = subprocess.Popen(["bash", "-c", line], env=_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError("vllm serve exited:\n" + log_path.read_text()[-3000:])
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise AssertionError("vllm serve not ready:\n" + log_path.read_text()[-3000:])
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_kvblend_status_shows_the_readme_cluster(readme_cluster):
+    r = subprocess.run(["bash", "-c", "kvblend status --json"], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "kvblend-shard-" in r.stdout
+
+
+def test_separator_in_context(readme_vllm, tmp_path):
+    """Passages ingested standalone are hit from one whole-string chat message, in two orders."""
+    import requests
+
+    from cluster.qa import load_examples, resolve_dataset
+
+    ex = load_examples(resolve_dataset("wikimqa"), limit=1)[0]
+    passages = list(ex.passages[:3])
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in passages))
+    r = subprocess.run(["bash", "-c", f"kvblend ingest --data {corpus}"], env=_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ingested 3 passages" in r.stdout
+
+    sep = "\n# #\n"
+
+    def ask(order):
+        user = sep + sep.join(passages[i] for i in order) + sep + f"Question: {ex.question}"
+        before = _metric(requests.get(readme_vllm + "/metrics", timeout=10).text,
+                         "vllm:external_prefix_cache_hits_total")
+        resp = requests.post(readme_vllm + "/v1/chat/completions", timeout=600, json={
+            "model": "model", "max_tokens": 8, "temperature": 0.0,
+            "messages": [{"role": "user", "content": user}]})
+        assert resp.status_code == 200, resp.text
+        after = _metric(requests.get(readme_vllm + "/metrics", timeout=10).text,
+                        "vllm:external_prefix_cache_hits_total")
+        return after - before, resp.json()["choices"][0]["message"]["content"]
+
+    passage_tokens = 3 * 200  # each passage is hundreds of tokens; claimed tokens cover them
+    claimed, answer = ask([0, 1, 2])
+    assert claimed >= passage_tokens, f"connector claimed only {claimed} tokens"
+    assert "# #" not in answer
+    claimed2, _ = ask([2, 0, 1])
+    assert claimed2 >= passage_tokens
