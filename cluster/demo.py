@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
     from cluster.config import cache_dir, load_config
     from cluster.model import resolve_model
     from cluster.qa import load_examples, resolve_dataset
-    from cluster.serving import start_replica, wait_ready
+    from cluster.serving import replica_cpus, start_replica, wait_ready
 
     t_start = time.perf_counter()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -247,7 +247,8 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
                 continue
             t0 = time.perf_counter()
             rep = start_replica(mode, model_path, use_connector=False,
-                                prefix_caching=(mode == "vllm_prefix"), log_dir=workdir)
+                                prefix_caching=(mode == "vllm_prefix"), log_dir=workdir,
+                                cpus=replica_cpus(0, 2))
             try:
                 wait_ready(rep)
                 startup = time.perf_counter() - t0
@@ -286,17 +287,20 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
     from cluster.ingest import build_engine, ingest_passages
     from cluster.namespace import namespace_for
     from cluster.ray_util import make_client
-    from cluster.serving import start_replica, wait_ready
+    from cluster.serving import replica_cpus, start_replica, wait_ready
 
     # 1. ingest (timed), through the engine's model, into the shared cache
     cfg = load_config(overrides={"ray_address": ray_address})
-    namespace = namespace_for(model_path, "bfloat16")
-    engine, _ = build_engine(model_path, "bfloat16")
+    from cluster.serving import default_dtype
+
+    dtype = default_dtype()  # the replicas serve (and store KV) in this dtype
+    namespace = namespace_for(model_path, dtype)
+    engine, _ = build_engine(model_path, dtype)
     client = make_client(cfg, namespace.digest())
     import torch
 
     report = ingest_passages(workload.ingest, engine, tokenizer, client, namespace.digest(),
-                             kv_dtype=torch.bfloat16)
+                             kv_dtype=getattr(torch, dtype))
     print(f"ingest: {report.stored} passages, {report.tokens} tokens in {report.seconds:.1f} s "
           f"({report.tokens_per_s:.0f} tokens/s)")
     del engine
@@ -306,7 +310,10 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
         os.remove(stats_path)
     extra = {"ray_address": ray_address, "stats_path": stats_path}
     t0 = time.perf_counter()
-    reps = [start_replica(f"kvblend-{c}", model_path, connector_extra=extra, log_dir=workdir) for c in "ab"]
+    # Each replica gets its own half of the cores; the baselines get one half too (equal compute
+    # per replica).
+    reps = [start_replica(f"kvblend-{c}", model_path, connector_extra=extra, log_dir=workdir,
+                          cpus=replica_cpus(i, 2)) for i, c in enumerate("ab")]
     try:
         for r in reps:
             wait_ready(r)

@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: config 'model')")
     p.add_argument("--limit", type=int, default=None, help="read at most this many rows")
     p.add_argument("--ray-address", default=None, help="Ray cluster (default: config ray_address)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="KV dtype; must match the serving engine's")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="KV dtype; must match the serving engine's --dtype (default: bfloat16 with "
+                        "a GPU, float32 on a CPU-only machine)")
 
 
 @dataclass
@@ -126,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
     config = load_config(args.config, overrides=overrides)
+    from cluster.serving import default_dtype
+
+    args.dtype = args.dtype or default_dtype()
     model_path = resolve_model(config.cluster.model, cache_dir(config))
     namespace = namespace_for(model_path, args.dtype)
     rows = load_examples(args.data, limit=args.limit)

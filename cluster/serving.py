@@ -23,6 +23,21 @@ CONNECTOR_NAME = "KVBlendConnector"
 CONNECTOR_MODULE = "cluster.connector"
 
 
+def default_dtype() -> str:
+    """dtype of served models and their KV here: bfloat16 on a GPU machine, float32 on CPU.
+
+    vLLM's CPU backend computes bf16 GEMMs slowly on CPUs without AVX512-BF16/AMX (our 2-core
+    machines have neither), so CPU demos and tests serve in float32; the chunk namespace
+    includes the KV dtype, so ingest and the replicas must agree.
+    """
+    try:
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    except ImportError:
+        return "float32"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,6 +75,16 @@ class Replica:
                 self.proc.wait(10)
 
 
+def replica_cpus(index: int, num_replicas: int) -> str | None:
+    """Disjoint CPU ranges for ``num_replicas`` replicas on this machine (None if too few CPUs)."""
+    n = len(os.sched_getaffinity(0))
+    per = n // num_replicas
+    if per < 1:
+        return None
+    first = index * per
+    return str(first) if per == 1 else f"{first}-{first + per - 1}"
+
+
 def vllm_executable() -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "vllm")
     return [exe] if os.path.exists(exe) else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
@@ -67,11 +92,19 @@ def vllm_executable() -> list[str]:
 
 def start_replica(name: str, model_path: str, *, connector_extra: dict | None = None,
                   use_connector: bool = True, prefix_caching: bool = False,
-                  max_model_len: int = 8192, kv_cache_gib: int = 1, dtype: str = "bfloat16",
+                  max_model_len: int = 8192, kv_cache_gib: int = 1, dtype: str | None = None,
                   log_dir: str = ".", extra_args: list[str] | None = None,
-                  env: dict | None = None) -> Replica:
-    """Start ``vllm serve`` (not waiting for it; see :func:`wait_ready`)."""
+                  env: dict | None = None, cpus: str | None = None) -> Replica:
+    """Start ``vllm serve`` (not waiting for it; see :func:`wait_ready`).
+
+    Args:
+        cpus: CPU ids the engine's OpenMP threads are bound to (vLLM's
+            ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0"`` or ``"0-3"``); None = vLLM's default.
+            Replicas sharing a machine must get disjoint CPUs: two engines binding the same
+            cores ran prefill ~40x slower here (spinning OpenMP threads).
+    """
     port = free_port()
+    dtype = dtype or default_dtype()
     cmd = [*vllm_executable(), "serve", model_path, "--served-model-name", "model",
            "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
            "--max-model-len", str(max_model_len), "--dtype", dtype,
@@ -82,6 +115,8 @@ def start_replica(name: str, model_path: str, *, connector_extra: dict | None = 
     e = dict(os.environ)
     e.update({"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    if cpus is not None:
+        e["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     e.update(env or {})
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"vllm-{name}.log")

@@ -20,7 +20,7 @@ def _env() -> dict:
 
 def test_demo_tiny(tmp_path):
     out = tmp_path / "demo.json"
-    r = subprocess.run([str(BIN / "kvblend"), "demo", "--num-queries", "3", "--passages-per-query", "4",
+    r = subprocess.run([str(BIN / "kvblend"), "demo", "--num-queries", "2", "--passages-per-query", "3",
                         "--workdir", str(tmp_path / "work"), "--json", str(out)],
                        env=_env(), capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
