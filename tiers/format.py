@@ -163,7 +163,7 @@ def encode_chunk(
         e[0] = 10**15
     blob_len = len(json.dumps(header, separators=(",", ":")).encode())
     offset = PREFIX_BYTES + blob_len
-    for e, p in zip(entries, payloads):
+    for e, p in zip(entries, payloads, strict=True):
         e[0] = offset
         offset += len(p)
     blob = json.dumps(header, separators=(",", ":")).encode()
