@@ -78,6 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from blend.plan import CHUNK, BlendPlan
 from cluster import paged
+from cluster.events import read_stats, wait_for_stores  # noqa: F401  (re-exported)
 from tiers.keys import ChunkKey, prefix_keys
 
 if TYPE_CHECKING:
@@ -199,23 +200,6 @@ def _count_tiers(segments) -> dict[str, int]:
     return out
 
 
-def read_stats(path: str) -> list[dict]:
-    """Events written by connectors to ``stats_path`` (tests, demo)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def wait_for_stores(path: str, count: int, timeout_s: float = 120.0) -> bool:
-    """Wait until ``stats_path`` holds at least ``count`` ``store`` events (the connector's
-    background stores finished), so a following request sees the chunks. False on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sum(1 for e in read_stats(path) if e.get("event") == "store") >= count:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # ----------------------------------------------------------------------------- connector

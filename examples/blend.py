@@ -5,21 +5,29 @@ running ``kvblend server`` cluster when there is one, else a machine-local disk 
 """
 
 import os
+import sys
 import tempfile
+import time
 
-from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
+# `python examples/blend.py` puts examples/ first on sys.path, where this file would shadow
+# kvblend's `blend` package: drop that entry before importing anything of ours.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-from cluster.connector import read_stats, wait_for_stores
-from cluster.model import resolve_model
-from cluster.qa import load_examples, resolve_dataset
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+
+from cluster.events import read_stats, wait_for_stores  # noqa: E402
+from cluster.model import resolve_model  # noqa: E402
+from cluster.qa import load_examples, resolve_dataset  # noqa: E402
 
 SEP = "\n# #\n"  # kvblend's default separator
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
     model = resolve_model("smollm2", os.path.expanduser("~/.cache/kvblend"))
     stats = os.path.join(tempfile.mkdtemp(), "stats.jsonl")  # the connector's per-request events
     llm = LLM(model=model, enforce_eager=True, max_model_len=8192, enable_prefix_caching=False,
+              dtype="float32", disable_log_stats=False,  # float32: fast on CPUs without AVX512-BF16
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KVBlendConnector", kv_connector_module_path="cluster.connector",
                   kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -30,9 +38,12 @@ if __name__ == "__main__":
     params = SamplingParams(temperature=0.0, max_tokens=12)
 
     def ask(chunks, label):
+        t0 = time.perf_counter()
         out = llm.generate([system + SEP + SEP.join(chunks) + SEP + question], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - t0
+        ttft = out.metrics.first_token_latency if out.metrics is not None else wall
         lookup = [e for e in read_stats(stats) if e["event"] == "lookup"][-1]
-        print(f"{label:10s} TTFT {out.metrics.first_token_latency:6.3f} s  "
+        print(f"{label:10s} TTFT {ttft:6.3f} s  "
               f"hits {lookup.get('num_hit_segments', 0)}/{lookup.get('num_segments', 0)} chunks  "
               f"answer: {out.outputs[0].text.strip()!r}")
 
