@@ -20,10 +20,16 @@ os.environ.setdefault("KVBLEND_DISK_PATH", tempfile.mkdtemp(prefix="kvblend-test
 
 
 def pytest_collection_modifyitems(config, items):
-    # tests/cluster holds one Ray cluster for the whole session (session-scoped fixture, torn
-    # down at the end): run those tests last so no other test's `kvblend server` or vLLM
-    # connector joins that cluster by ray_address="auto".
-    items.sort(key=lambda item: "/tests/cluster/" in str(item.fspath))
+    # tests/vllm first: its in-process vLLM engines walk sys.modules when they start
+    # (vllm.triton_utils.dispatcher) and die on Flask's LocalProxy objects, which moto's S3
+    # server (tests/tiers, tests/cluster) imports into this process.
+    # tests/cluster last: it holds one Ray cluster for the whole session (torn down at the end),
+    # so no other test's `kvblend server` or vLLM connector joins it by ray_address="auto".
+    def order(item) -> int:
+        path = str(item.fspath)
+        return 0 if "/tests/vllm/" in path else 2 if "/tests/cluster/" in path else 1
+
+    items.sort(key=order)
     try:
         import torch
 
