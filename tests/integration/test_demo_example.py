@@ -14,6 +14,8 @@ BIN = pathlib.Path(sys.executable).parent
 
 def _env() -> dict:
     env = dict(os.environ)
+    # tests/vllm's in-process engines set this in our environment; a user's shell has it unset.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
     return env
 
