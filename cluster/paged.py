@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("cpu", "packed", "flash_attn", "flashinfer")
+from blend.kernels.paged import LAYOUTS as GPU_LAYOUTS
+from blend.kernels.paged import kv_views as gpu_kv_views
+
+LAYOUTS = ("cpu", "packed", *GPU_LAYOUTS)
 
 
 def kv_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,14 +58,8 @@ def kv_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
         else:
             k, v = cache[..., : two_d // 2], cache[..., two_d // 2:]            # [N, H, B, D]
         return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)                      # [N, B, H, D]
-    if layout == "flash_attn":
-        if cache.dim() != 5 or cache.shape[0] != 2:
-            raise ValueError(f"layout 'flash_attn' needs a [2, N, B, H, D] cache, got {tuple(cache.shape)}")
-        return cache[0], cache[1]
-    if layout == "flashinfer":
-        if cache.dim() != 5 or cache.shape[1] != 2:
-            raise ValueError(f"layout 'flashinfer' needs a [N, 2, B, H, D] cache, got {tuple(cache.shape)}")
-        return cache[:, 0], cache[:, 1]
+    if layout in GPU_LAYOUTS:
+        return gpu_kv_views(cache, layout)  # the GPU layouts' views live beside their Triton kernel
     raise ValueError(f"unknown paged KV layout {layout!r}; supported: {', '.join(LAYOUTS)}")
 
 
