@@ -29,6 +29,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from cluster.events import read_stats
+
 log = logging.getLogger("kvblend.demo")
 
 SYSTEM_PROMPT = ("You answer questions using the passages below. "
@@ -158,13 +160,6 @@ def _kvblend_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and r.returncode != 0:
         raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
-
-
-def _read_stats(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def _serve_queries(mode: str, replicas, workload: Workload, prompts, warm_prompts, max_tokens,
@@ -320,14 +315,14 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
         startup = time.perf_counter() - t0
         mark = {}
         res = _serve_queries("kvblend", reps, workload, prompts, warm_prompts, args.max_tokens,
-                             after_warmup=lambda: mark.setdefault("n", len(_read_stats(stats_path))))
+                             after_warmup=lambda: mark.setdefault("n", len(read_stats(stats_path))))
     finally:
         for r in reps:
             r.stop()
     res.startup_s = startup
     res.ingest_s = report.seconds
     res.ingest_tokens = report.tokens
-    res.extra = _connector_summary(_read_stats(stats_path)[mark.get("n", 0):])
+    res.extra = _connector_summary(read_stats(stats_path)[mark.get("n", 0):])
     status = _kvblend_cli("status", "--json", check=False)
     if status.returncode == 0:
         try:
