@@ -30,10 +30,18 @@ its blocks are reported by ``get_block_ids_with_load_errors`` (set vLLM's
 request). Never partial KV: the last write per layer wins and every claimed slot is written.
 
 Store side: the canonical (standalone, positions ``0..n-1``) KV of chunk segments not yet
-cached is computed with ``engine.prefill`` on one background thread after the step
-(``wait_for_save`` only enqueues), deduplicated in the scheduler (a key is scheduled once)
-and in the worker (``contains`` before computing), then ``put`` to the client. Prefix chunks
-are gathered from the paged cache after the forward that computed them.
+cached is computed with ``engine.prefill`` on the worker's own thread, never concurrently with
+vLLM (vLLM's CPU GEMMs share oneDNN scratch memory, so a second thread running the model
+corrupts both). It is deduplicated in the scheduler (a key is scheduled once) and in the worker
+(``contains`` before computing), queued, and computed in ``wait_for_save`` of *later* steps —
+not in the step that computes the request's prefill, so it never delays a first token — at most
+``store_tokens_per_step`` tokens per step (a whole segment at least; steps with prefill tokens
+skip the queue unless its oldest item waited :data:`STORE_MAX_DEFER_S`). To keep vLLM stepping
+until the queue drains, ``request_finished`` holds the request's blocks (returns ``True``) while
+its segments are pending, and the worker reports it in ``get_finished``'s ``finished_sending``
+once they are done; an idle engine then runs empty steps that only drain the queue. Puts go to
+the client from a background I/O thread (no model use). Prefix chunks are gathered from the
+paged cache after the forward that computed them and put the same way.
 
 **Reaching the model** (no vLLM source patch): :mod:`cluster.vllm_model` — the kvblend general
 plugin registers tracking subclasses of vLLM's model classes; the worker-side connector takes
@@ -48,7 +56,8 @@ Options: our config (YAML/env/LMCache aliases, :func:`cluster.config.load_config
 ``kv_connector_extra_config`` (our field names; ``stats_path`` is connector-only). Per request,
 ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` with ``kvblend_load`` (False: load
 nothing, vLLM computes the prompt), ``kvblend_blend`` (False: no blending), ``kvblend_recompute_ratio``
-(float in [0, 1]), ``kvblend_store`` (False: store nothing).
+(float in [0, 1]), ``kvblend_store`` (False: store nothing). ``store_tokens_per_step`` (int, default
+:data:`STORE_TOKENS_PER_STEP`) bounds the store compute per engine step.
 
 Client: :func:`make_client` — the Ray-sharded ``CacheClient`` when Ray and shards are reachable,
 else one ``LocalCacheClient`` shared by every connector of this process (scheduler and worker
@@ -64,7 +73,7 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -92,11 +101,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvblend.connector")
 
 #: kv_connector_extra_config keys that are not config fields.
-CONNECTOR_ONLY_KEYS = ("stats_path",)
+CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step")
 #: per-request kv_transfer_params understood by the connector.
 REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store")
 _DEDUP_KEYS = 100_000
-_STORE_LOCK_TIMEOUT_S = 60.0
+#: default tokens of canonical-KV compute per engine step (bounds the stall of a decode step).
+STORE_TOKENS_PER_STEP = 512
+#: a store queued longer than this (seconds) is computed even in a step with prefill tokens.
+STORE_MAX_DEFER_S = 2.0
 
 _local_clients: dict[str, Any] = {}
 _local_lock = threading.Lock()
@@ -118,6 +130,24 @@ def make_client(config, namespace_digest: str, device: str = "cpu"):
         with _local_lock:
             client = _local_clients.setdefault(namespace_digest, client)
     return client
+
+
+def settle(llm, max_steps: int = 100_000) -> int:
+    """Step an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) until its
+    scheduler holds no request, so the connector's queued stores are computed — what vLLM's
+    engine-core process does by itself after a request finishes. Returns the steps taken.
+
+    Raises:
+        RuntimeError: requests are still held after ``max_steps`` steps.
+    """
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    steps = 0
+    while scheduler.has_requests() and steps < max_steps:
+        llm.llm_engine.step()
+        steps += 1
+    if scheduler.has_requests():
+        raise RuntimeError(f"the engine still holds requests after {steps} steps")
+    return steps
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -155,6 +185,7 @@ class StoreSpec:
 class KVBlendConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    has_prefill: bool = False   # this step computes prompt tokens (stores wait for a later step)
 
 
 @dataclass
@@ -170,6 +201,22 @@ class _ReqState:
     store_prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     loaded: bool = False
+    store_sent: bool = False    # canonical segments sent to the worker: hold blocks until stored
+
+
+@dataclass
+class _PendingStore:
+    """Worker side: canonical segments of one request still to compute and put."""
+
+    request_id: str
+    segments: deque = field(default_factory=deque)   # (ChunkKey, token ids)
+    enqueued_s: float = 0.0
+    finished: bool = False      # vLLM finished the request (its id came in finished_req_ids)
+    stored: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    error: str | None = None
 
 
 class _Stats:
@@ -216,6 +263,10 @@ class KVBlendConnector(KVConnectorBase_V1):
 
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._stats = _Stats(extra.pop("stats_path", None))
+        self.store_tokens_per_step = int(extra.pop("store_tokens_per_step", STORE_TOKENS_PER_STEP))
+        if self.store_tokens_per_step < 1:
+            raise ValueError(f"kv_connector_extra_config store_tokens_per_step="
+                             f"{self.store_tokens_per_step}: must be >= 1")
         self.config = load_config(overrides=extra, overrides_origin="kv_connector_extra_config")
         log_effective(self.config)
         model_config = vllm_config.model_config
@@ -254,15 +305,13 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._layout: str | None = None
         self._engine = None
         self._engine_lock = threading.Lock()
-        self._store_pool: ThreadPoolExecutor | None = None
-        self._pending_stores: list = []
+        self._io_pool: ThreadPoolExecutor | None = None   # puts only; never runs the model
+        self._io_futures: list = []
+        self._store_queue: OrderedDict[str, _PendingStore] = OrderedDict()  # FIFO by request
+        self._store_done: set[str] = set()   # all segments computed, waiting for vLLM's finish
+        self._finished_ids: set[str] = set()  # finished by vLLM while their store was pending
         self._invalid_block_ids: set[int] = set()
         self._warned: set[str] = set()
-        # vLLM's CPU kernels keep per-layer scratch state (oneDNN): the store thread must never
-        # run the model while vLLM's forward does. Held from bind to clear of each step's
-        # metadata (around the forward); the store thread takes it per chunk.
-        self._model_lock = threading.Lock()
-        self._model_lock_held = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -435,10 +484,13 @@ class KVBlendConnector(KVConnectorBase_V1):
                 state.block_ids = list(new_blocks[0]) if resumed else state.block_ids + list(new_blocks[0])
             n_sched = scheduler_output.num_scheduled_tokens.get(rid, 0)
             scheduled.append((rid, state.block_ids, cached.num_computed_tokens[i] + n_sched, resumed))
+        meta.has_prefill = bool(scheduler_output.scheduled_new_reqs)
         for rid, block_ids, computed_after, fresh in scheduled:
             state = self._requests.get(rid)
             if state is None:
                 continue
+            if computed_after <= len(state.token_ids):
+                meta.has_prefill = True
             state.block_ids = block_ids
             if fresh and not state.loaded and state.claim_end > state.claim_start:
                 state.loaded = True
@@ -452,6 +504,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             store = StoreSpec(rid)
             if state.store_segments:
                 store.segments, state.store_segments = state.store_segments, []
+                state.store_sent = True
             ready = [p for p in state.store_prefix if p[2] <= computed_after]
             if ready:
                 state.store_prefix = [p for p in state.store_prefix if p[2] > computed_after]
@@ -461,22 +514,13 @@ class KVBlendConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None
+        """Hold the blocks (``True``) of a request whose canonical segments were sent to the
+        worker for storing: vLLM keeps stepping until the worker reports it in
+        ``finished_sending``, which drains the store queue even when no other request runs."""
+        state = self._requests.pop(request.request_id, None)
+        return bool(state is not None and state.store_sent), None
 
     # =============================================================== worker side
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        if not self._model_lock_held:
-            self._model_lock.acquire()
-            self._model_lock_held = True
-        super().bind_connector_metadata(connector_metadata)
-
-    def clear_connector_metadata(self) -> None:
-        super().clear_connector_metadata()
-        if self._model_lock_held:
-            self._model_lock_held = False
-            self._model_lock.release()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         from vllm.platforms import current_platform
@@ -587,65 +631,123 @@ class KVBlendConnector(KVConnectorBase_V1):
         return  # stores run after the step (wait_for_save)
 
     def wait_for_save(self):
-        """Enqueue this step's stores on the background store thread (does not wait)."""
+        """Drain store work queued by earlier steps (bounded), then queue this step's.
+
+        Runs on the worker's thread after the forward: canonical segments are computed here
+        (:meth:`_drain_store_queue`), never in the step that computes their own request's
+        prompt. Prefix chunks are gathered from the paged cache now (their blocks may be
+        reused later) and put by the I/O thread.
+        """
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBlendConnectorMetadata) or not meta.stores:
+        if not isinstance(meta, KVBlendConnectorMetadata):
             return
-        jobs = []
+        self._drain_store_queue(meta.has_prefill, self.store_tokens_per_step)
+        now = time.monotonic()
         for spec in meta.stores:
-            prefix = []
-            for key, slots in spec.prefix:
-                try:
-                    # gathered now: the blocks may be reused once the request finishes
-                    kv = torch.stack([paged.gather_kv(self._kv_caches[i][1], self._layout, slots)
-                                      for i in range(len(self._kv_caches))])  # [L, 2, T, H, D]
-                    prefix.append((key, kv))
-                except Exception as e:  # noqa: BLE001
-                    self._warn_once("gather", "kvblend: prefix store skipped (%s: %s)", type(e).__name__, e)
-            jobs.append((spec.request_id, spec.segments, prefix))
-        if self._store_pool is None:
-            self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store")
-        self._pending_stores = [f for f in self._pending_stores if not f.done()]
-        for job in jobs:
-            self._pending_stores.append(self._store_pool.submit(self._store_job, *job))
+            if spec.prefix:
+                prefix = []
+                for key, slots in spec.prefix:
+                    try:
+                        kv = torch.stack([paged.gather_kv(self._kv_caches[i][1], self._layout, slots)
+                                          for i in range(len(self._kv_caches))])  # [L, 2, T, H, D]
+                        prefix.append((key, kv))
+                    except Exception as e:  # noqa: BLE001
+                        self._warn_once("gather", "kvblend: prefix store skipped (%s: %s)", type(e).__name__, e)
+                self._io_submit(self._put_prefix, spec.request_id, prefix)
+            if spec.segments:
+                pend = self._store_queue.get(spec.request_id)
+                if pend is None:
+                    pend = self._store_queue[spec.request_id] = _PendingStore(spec.request_id, enqueued_s=now)
+                pend.segments.extend(spec.segments)
 
-    def _store_job(self, request_id: str, segments, prefix) -> None:
+    def _drain_store_queue(self, has_prefill: bool, budget_tokens: int | None) -> None:
+        """Compute queued canonical segments, oldest request first, about ``budget_tokens``
+        tokens (at least one segment; ``None``: everything). In a step with prefill tokens
+        only work older than :data:`STORE_MAX_DEFER_S` runs."""
+        if not self._store_queue:
+            return
+        oldest = next(iter(self._store_queue.values()))
+        if has_prefill and time.monotonic() - oldest.enqueued_s < STORE_MAX_DEFER_S:
+            return
+        spent = 0
+        while self._store_queue and (budget_tokens is None or spent < budget_tokens):
+            pend = next(iter(self._store_queue.values()))
+            if pend.segments and pend.stored == pend.skipped == 0 and pend.error is None:
+                self._drop_present(pend)
+            if pend.segments:
+                key, ids = pend.segments.popleft()
+                spent += self._store_segment(pend, key, ids)
+            if not pend.segments:
+                del self._store_queue[pend.request_id]
+                self._store_done.add(pend.request_id)
+                self._io_submit(self._finish_store, pend)
+
+    def _drop_present(self, pend: _PendingStore) -> None:
+        """One batched ``contains`` for a request's segments: skip those already cached."""
+        try:
+            present = self.client.contains([k for k, _ in pend.segments])
+        except Exception as e:  # noqa: BLE001 - unknown: compute them (put is idempotent)
+            self._warn_once("contains", "kvblend: contains failed (%s: %s)", type(e).__name__, e)
+            return
+        keep = deque(item for item, have in zip(pend.segments, present, strict=True) if not have)
+        pend.skipped += len(pend.segments) - len(keep)
+        pend.segments = keep
+
+    def _store_segment(self, pend: _PendingStore, key: ChunkKey, ids: tuple[int, ...]) -> int:
+        """Canonical KV of one segment (``engine.prefill`` at positions ``0..n-1``), handed to
+        the I/O thread. Returns the tokens computed. Errors are recorded, never raised."""
         start = time.perf_counter()
-        stored = skipped = tokens = 0
+        try:
+            with torch.inference_mode():
+                result = self._engine_for_worker().prefill(list(ids), want_logits=False)
+            kv = torch.stack(result.kv).cpu()  # [L, 2, T, H, D]
+            if not bool(torch.isfinite(kv).all()):
+                raise RuntimeError(f"non-finite canonical KV for {key}; not stored")
+            self._io_submit(self.client.put, key, kv)
+            pend.stored += 1
+            pend.tokens += len(ids)
+        except Exception as e:  # noqa: BLE001 - a failed store is a future miss
+            pend.error = f"{type(e).__name__}: {e}"
+            self._warn_once("store", "kvblend: store for request %s failed (%s)", pend.request_id, pend.error)
+        pend.seconds += time.perf_counter() - start
+        return len(ids)
+
+    def _io_submit(self, fn, *args) -> None:
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store-io")
+        self._io_futures = [f for f in self._io_futures if not f.done()]
+        self._io_futures.append(self._io_pool.submit(fn, *args))
+
+    def _finish_store(self, pend: _PendingStore) -> None:
+        """I/O thread, after the request's puts (FIFO): flush, count, one ``store`` event."""
+        error = pend.error
+        try:
+            if pend.stored and not self.client.flush(timeout_s=60.0):
+                error = error or "flush timed out"
+        except Exception as e:  # noqa: BLE001
+            error = error or f"{type(e).__name__}: {e}"
+        self._count_store(pend.request_id, pend.stored, pend.skipped, pend.tokens, pend.seconds, error)
+
+    def _put_prefix(self, request_id: str, prefix) -> None:
+        """I/O thread: put gathered prefix chunks ``(key, kv[L, 2, T, H, D])``, flush, count."""
+        start = time.perf_counter()
+        stored = tokens = 0
         error = None
         try:
             for key, kv in prefix:
                 self.client.put(key, kv.cpu(), positions=None)
                 stored += 1
                 tokens += kv.shape[2]
-            if segments:
-                present = self.client.contains([k for k, _ in segments])
-                engine = self._engine_for_worker()
-                for (key, ids), have in zip(segments, present, strict=True):
-                    if have:
-                        skipped += 1
-                        continue
-                    if not self._model_lock.acquire(timeout=_STORE_LOCK_TIMEOUT_S):
-                        raise TimeoutError("the model stayed busy; store skipped")
-                    try:
-                        with torch.inference_mode():
-                            result = engine.prefill(list(ids), want_logits=False)
-                    finally:
-                        self._model_lock.release()
-                    kv = torch.stack(result.kv).cpu()  # [L, 2, T, H, D], canonical
-                    if not bool(torch.isfinite(kv).all()):
-                        raise RuntimeError(f"non-finite canonical KV for {key}; not stored")
-                    self.client.put(key, kv)
-                    stored += 1
-                    tokens += len(ids)
             if stored and not self.client.flush(timeout_s=60.0):
                 error = "flush timed out"
         except Exception as e:  # noqa: BLE001 - a failed store is a future miss
             error = f"{type(e).__name__}: {e}"
             self._warn_once("store", "kvblend: store for request %s failed (%s)", request_id, error)
-        seconds = time.perf_counter() - start
+        self._count_store(request_id, stored, 0, tokens, time.perf_counter() - start, error)
+
+    def _count_store(self, request_id, stored, skipped, tokens, seconds, error) -> None:
         self.counters["stored_chunks"] += stored
         self.counters["stored_tokens"] += tokens
         self.counters["store_skipped"] += skipped
@@ -653,10 +755,22 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._stats.write("store", request_id=request_id, stored=stored, skipped=skipped,
                           tokens=tokens, seconds=seconds, error=error)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``finished_sending``: requests whose blocks ``request_finished`` held and whose
+        canonical segments are all computed (their puts continue on the I/O thread)."""
+        held = set(self._store_queue) | self._store_done
+        self._finished_ids |= set(finished_req_ids) & held
+        done = {r for r in self._finished_ids if r in self._store_done}
+        self._finished_ids -= done
+        self._store_done -= done
+        return (done or None), None
+
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait for pending stores (this worker) and the client's puts."""
+        """Compute every queued store and wait for the puts. Call it only where vLLM is not
+        running the model (the worker's own thread: :meth:`shutdown`)."""
         deadline = time.monotonic() + timeout_s
-        for f in list(self._pending_stores):
+        self._drain_store_queue(False, None)
+        for f in list(self._io_futures):
             try:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001
@@ -671,5 +785,5 @@ class KVBlendConnector(KVConnectorBase_V1):
         try:
             self.flush(timeout_s=30.0)
         finally:
-            if self._store_pool is not None:
-                self._store_pool.shutdown(wait=False)
+            if self._io_pool is not None:
+                self._io_pool.shutdown(wait=False)

@@ -75,7 +75,17 @@ def generate(llm, token_ids, params: dict | None = None, max_tokens: int = 6, lo
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
     if params is not None:
         sp.extra_args = {"kv_transfer_params": params}
-    return llm.generate([{"prompt_token_ids": list(token_ids)}], sp, use_tqdm=False)[0]
+    out = llm.generate([{"prompt_token_ids": list(token_ids)}], sp, use_tqdm=False)[0]
+    settle(llm)  # the connector's stores run in later engine steps
+    return out
+
+
+
+
+def settle(llm) -> int:
+    from cluster.connector import settle as _settle
+
+    return _settle(llm)
 
 
 def events(stats_path: str, request_id: str, event: str | None = None) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 
 from blend.config import DEFAULT_SEPARATOR as SEP
 from blend.segments import build_blend_prompt, chunk_token_ids
-from tests.vllm.conftest import events, generate, passage, wait_stored
+from tests.vllm.conftest import events, generate, passage, settle, wait_stored
 
 pytestmark = pytest.mark.slow
 
@@ -99,10 +99,6 @@ def test_recompute_actually_happens(blend_llm, blend_stats_path, tokenizer):
     assert len(out.outputs[0].token_ids) >= 1  # vLLM sampled after the blended prefill
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (issue 6, open): the connector's background store thread, computing canonical KV "
-    "while vLLM's CPU forward runs, sometimes gets non-finite rows; the finite check refuses to store "
-    "them (never wrong KV), so the expected store can be missing"))
 def test_hits_after_a_miss(blend_llm, blend_stats_path, tokenizer):
     """shared/cases/hits-after-a-miss.md"""
     c1, c2, c3, c4 = (passage(200 + i) for i in range(4))
@@ -194,10 +190,6 @@ def test_per_request_no_store(blend_llm, blend_stats_path, tokenizer):
     assert not events(blend_stats_path, _rid(out), "store")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (issue 6, open): the connector's background store thread, computing canonical KV "
-    "while vLLM's CPU forward runs, sometimes gets non-finite rows; the finite check refuses to store "
-    "them (never wrong KV), so the expected store can be missing"))
 def test_several_blended_requests_in_one_step(blend_llm, blend_stats_path, tokenizer):
     from vllm import SamplingParams
 
@@ -208,6 +200,7 @@ def test_several_blended_requests_in_one_step(blend_llm, blend_stats_path, token
                for i, order in enumerate(([texts[2], texts[0]], [texts[1], texts[2], texts[0]]))]
     sp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
     outs = blend_llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    settle(blend_llm)
     loads = [_one(blend_stats_path, o, "load") for o in outs]
     assert [ld["num_hit_segments"] for ld in loads] == [2, 3]
     assert not any(ld["fallback"] for ld in loads)
