@@ -21,7 +21,8 @@ Prompts without separators take the prefix path: chunks of ``chunk_size`` tokens
 
 Worker side (``start_load_kv``, synchronous: before the forward that computes the query):
 :class:`blend.engine.BlendEngine` runs over :class:`blend.adapters.vllm.VLLMModelAdapter`
-and the cache client, and each layer's final KV is written at the request's slots by the
+and :class:`cluster.worker_source.WorkerKVSource` (the worker's gpu tier of ``gpu_size_gib``
+in front of the cache client; the load event's ``gpu_hit_segments`` counts its hits), and each layer's final KV is written at the request's slots by the
 attention backend's own ``do_kv_cache_update`` (correct for every paged layout and CPU ISA;
 :mod:`cluster.paged` is the plain-torch reference and the read path). Any failure: the
 request's KV is recomputed by full prefill through the same adapter; if even that fails,
@@ -47,7 +48,12 @@ paged cache after the forward that computed them and put the same way.
 plugin registers tracking subclasses of vLLM's model classes; the worker-side connector takes
 the model built in its process from :func:`cluster.vllm_model.current_model`.
 
-**Counters**: every decision appends one JSON line to ``kv_connector_extra_config["stats_path"]``
+**Metrics**: our counters (:data:`PROM_COUNTERS`) go through vLLM's connector stats hooks
+(``get_kv_connector_stats`` on both sides, ``build_kv_connector_stats``, ``build_prom_metrics``)
+to vLLM's ``/metrics`` as ``vllm:kvblend_<name>_total``; vLLM's own
+``vllm:external_prefix_cache_hits_total`` counts the tokens the connector claimed.
+
+**Events**: every decision appends one JSON line to ``kv_connector_extra_config["stats_path"]``
 when set (``{"event": "lookup"|"load"|"store", "request_id": ..., ...}``; readable by tests and
 the demo from the front-end process, across vLLM's engine-core process boundary); cumulative
 counters are also in :attr:`KVBlendConnector.counters` and logged at debug level.
@@ -83,6 +89,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 from blend.plan import CHUNK, BlendPlan
@@ -249,6 +259,69 @@ def _count_tiers(segments) -> dict[str, int]:
 
 
 
+# ----------------------------------------------------------------------------- metrics
+
+#: counter -> help text; exported on vLLM's /metrics as ``vllm:kvblend_<name>`` (Counter,
+#: ``_total`` suffix) by :class:`KVBlendPromMetrics`.
+PROM_COUNTERS: dict[str, str] = {
+    "requests": "requests the connector looked up",
+    "blend_requests": "requests blended (CacheBlend path)",
+    "prefix_requests": "requests served by exact prefix chunks",
+    "segments": "chunk segments of blended requests",
+    "hit_segments": "chunk segments read from the cache",
+    "gpu_hit_segments": "of those, segments the worker's gpu tier held",
+    "claimed_tokens": "prompt tokens the connector produced instead of vLLM",
+    "reused_tokens": "tokens whose cached KV was reused",
+    "selected_tokens": "reused tokens recomputed (selected at the check layer)",
+    "computed_tokens": "tokens computed in every layer (prefix, separators, misses)",
+    "load_wait_s": "seconds the blend engine waited for cached KV",
+    "fallbacks": "requests computed by full prefill after a cache or blend failure",
+    "load_errors": "requests whose KV the connector could not produce (vLLM recomputed them)",
+    "stored_chunks": "chunks stored",
+    "stored_tokens": "tokens stored",
+    "store_skipped": "chunks not stored because already cached",
+    "store_s": "seconds spent computing and storing chunks",
+}
+
+
+class KVBlendConnectorStats(KVConnectorStats):
+    """Counter deltas (``data``: name -> number, keys of :data:`PROM_COUNTERS`)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVBlendConnectorStats:
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVBlendPromMetrics(KVConnectorPromMetrics):
+    """Our counters on vLLM's ``/metrics`` (one Counter per :data:`PROM_COUNTERS` entry,
+    labelled per engine like vLLM's own)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, doc in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=f"vllm:kvblend_{name}", documentation=f"kvblend: {doc}",
+                                        labelnames=labelnames)
+            self._counters[name] = {idx: counter.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in (transfer_stats_data or {}).items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and engine_idx in per_engine and value > 0:
+                per_engine[engine_idx].inc(value)
+
+
 # ----------------------------------------------------------------------------- connector
 
 
@@ -291,11 +364,9 @@ class KVBlendConnector(KVConnectorBase_V1):
             log.warning("kvblend: kv_load_failure_policy=%r: a request whose cached KV cannot be "
                         "produced even by our own prefill fails; set it to 'recompute'",
                         self._kv_transfer_config.kv_load_failure_policy)
-        self.counters: dict[str, float] = {
-            "requests": 0, "blend_requests": 0, "prefix_requests": 0, "segments": 0, "hit_segments": 0,
-            "claimed_tokens": 0, "reused_tokens": 0, "selected_tokens": 0, "computed_tokens": 0,
-            "load_wait_s": 0.0, "fallbacks": 0, "load_errors": 0, "stored_chunks": 0,
-            "stored_tokens": 0, "store_skipped": 0, "store_s": 0.0}
+        self.counters: dict[str, float] = dict.fromkeys(PROM_COUNTERS, 0)
+        self._interval: dict[str, float] = {}  # deltas since vLLM last asked (get_kv_connector_stats)
+        self._counter_lock = threading.Lock()
         # scheduler side
         self._tokenizer = None
         self._requests: dict[str, _ReqState] = {}
@@ -305,6 +376,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._layout: str | None = None
         self._engine = None
         self._engine_lock = threading.Lock()
+        self._source = None  # WorkerKVSource: the worker's gpu tier in front of the client
         self._io_pool: ThreadPoolExecutor | None = None   # puts only; never runs the model
         self._io_futures: list = []
         self._store_queue: OrderedDict[str, _PendingStore] = OrderedDict()  # FIFO by request
@@ -314,6 +386,29 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
+
+    def _bump(self, **deltas: float) -> None:
+        with self._counter_lock:
+            for name, value in deltas.items():
+                self.counters[name] += value
+                self._interval[name] = self._interval.get(name, 0) + value
+
+    # ------------------------------------------------------------------ metrics (vLLM's hooks)
+
+    def get_kv_connector_stats(self) -> KVBlendConnectorStats | None:
+        """Counter deltas since the last call (scheduler and worker side alike); vLLM sums
+        the workers' and the scheduler's and hands them to :class:`KVBlendPromMetrics`."""
+        with self._counter_lock:
+            data, self._interval = self._interval, {}
+        return KVBlendConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBlendConnectorStats:
+        return KVBlendConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVBlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _warn_once(self, what: str, msg: str, *args) -> None:
         if what not in self._warned:
@@ -335,9 +430,14 @@ class KVBlendConnector(KVConnectorBase_V1):
                 from blend.adapters.vllm import VLLMModelAdapter
                 from blend.engine import BlendEngine
                 from cluster.vllm_model import current_model
+                from cluster.worker_source import WorkerKVSource
+                from tiers.gpu import GpuTier
 
                 adapter = VLLMModelAdapter(current_model(), model_id=self.namespace.model_id)
-                self._engine = BlendEngine(adapter, self.client)
+                gib = self.config.tiers.gpu_size_gib
+                gpu = GpuTier(int(gib * 2**30), device=adapter.device) if gib > 0 else None
+                self._source = WorkerKVSource(self.client, gpu, adapter.spec.num_layers)
+                self._engine = BlendEngine(adapter, self._source)
             return self._engine
 
     # ============================================================ scheduler side
@@ -355,7 +455,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             state = self._plan_request(request)
         except Exception as e:  # noqa: BLE001 - the cache never fails a request
             self._warn_once("lookup", "kvblend: lookup failed (%s: %s); full prefill", type(e).__name__, e)
-            self.counters["fallbacks"] += 1
+            self._bump(fallbacks=1)
             self._requests.pop(request.request_id, None)
             return 0, False
         state.loaded = False  # asked again (e.g. resumed after preemption): load again
@@ -441,7 +541,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             self._stats.write("lookup", request_id=rid, path=path, num_tokens=n,
                               num_prefix_chunks=len(keys), num_prefix_hits=hits,
                               num_store_prefix=len(state.store_prefix))
-        self.counters["requests"] += 1
+        self._bump(requests=1)
         self._requests[rid] = state
         return state
 
@@ -500,7 +600,7 @@ class KVBlendConnector(KVConnectorBase_V1):
                 meta.loads.append(LoadSpec(rid, state.claim_start, state.claim_end, slots, block_ids,
                                            self.block_size, plan=state.plan if state.plan and state.plan.blend else None,
                                            prefix=prefix, token_ids=state.token_ids[:state.claim_end]))
-                self.counters["claimed_tokens"] += state.claim_end - state.claim_start
+                self._bump(claimed_tokens=state.claim_end - state.claim_start)
             store = StoreSpec(rid)
             if state.store_segments:
                 store.segments, state.store_segments = state.store_segments, []
@@ -569,6 +669,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         try:
             engine = self._engine_for_worker()
             if spec.plan is not None:
+                record["gpu_hit_segments"] = self._source.gpu_hits([seg.key for seg in spec.plan.hit_segments])
+                self._bump(gpu_hit_segments=record["gpu_hit_segments"])
                 with torch.inference_mode():
                     result = engine.blend(spec.plan, want_logits=False, on_layer=on_layer)
                 c = result.counters
@@ -579,24 +681,20 @@ class KVBlendConnector(KVConnectorBase_V1):
                               load_wait_s=c.load_wait_s, compute_s=c.compute_s,
                               full_prefill_reason=c.full_prefill_reason,
                               fallback=c.full_prefill_reason is not None)
-                self.counters["blend_requests"] += 1
-                self.counters["segments"] += c.num_segments
-                self.counters["hit_segments"] += c.num_hit_segments
-                self.counters["reused_tokens"] += c.reused_tokens
-                self.counters["selected_tokens"] += c.selected_tokens
-                self.counters["computed_tokens"] += c.computed_tokens
-                self.counters["load_wait_s"] += c.load_wait_s
+                self._bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,
+                           reused_tokens=c.reused_tokens, selected_tokens=c.selected_tokens,
+                           computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s)
                 if c.full_prefill_reason is not None:
-                    self.counters["fallbacks"] += 1
+                    self._bump(fallbacks=1)
             else:
                 self._load_prefix(spec, layers)
                 record.update(path="prefix", num_prefix_chunks=len(spec.prefix), fallback=False)
-                self.counters["prefix_requests"] += 1
+                self._bump(prefix_requests=1)
         except Exception as e:  # noqa: BLE001 - never fail the request for the cache's sake
             self._warn_once("load", "kvblend: load of request %s failed (%s: %s); recomputing by "
                             "full prefill", spec.request_id, type(e).__name__, e)
             log.debug("kvblend load failure", exc_info=True)
-            self.counters["fallbacks"] += 1
+            self._bump(fallbacks=1)
             record.update(fallback=True, error=f"{type(e).__name__}: {e}")
             try:
                 with torch.inference_mode():
@@ -606,7 +704,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             except Exception as e2:  # noqa: BLE001
                 self._warn_once("load2", "kvblend: full prefill of request %s failed too (%s: %s); "
                                 "reporting its blocks to vLLM", spec.request_id, type(e2).__name__, e2)
-                self.counters["load_errors"] += 1
+                self._bump(load_errors=1)
                 record["recovered_by"] = "vllm"
                 bs = spec.block_size
                 self._invalid_block_ids.update(spec.block_ids[t // bs] for t in range(start, end))
@@ -706,6 +804,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             if not bool(torch.isfinite(kv).all()):
                 raise RuntimeError(f"non-finite canonical KV for {key}; not stored")
             self._io_submit(self.client.put, key, kv)
+            self._source.remember(key, kv)
             pend.stored += 1
             pend.tokens += len(ids)
         except Exception as e:  # noqa: BLE001 - a failed store is a future miss
@@ -748,10 +847,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._count_store(request_id, stored, 0, tokens, time.perf_counter() - start, error)
 
     def _count_store(self, request_id, stored, skipped, tokens, seconds, error) -> None:
-        self.counters["stored_chunks"] += stored
-        self.counters["stored_tokens"] += tokens
-        self.counters["store_skipped"] += skipped
-        self.counters["store_s"] += seconds
+        self._bump(stored_chunks=stored, stored_tokens=tokens, store_skipped=skipped, store_s=seconds)
         self._stats.write("store", request_id=request_id, stored=stored, skipped=skipped,
                           tokens=tokens, seconds=seconds, error=error)
 

@@ -1,15 +1,19 @@
 """``kvblend demo``: the main job — a RAG workload through two vLLM replicas sharing one cache.
 
-1. Starts a local Ray cluster with cache shards (host + disk tiers; the host tier is sized
-   smaller than the working set so the disk tier is really read), unless ``--ray-address``.
-2. Builds a workload from ../shared/data/qa/: ``--num-queries`` questions, each with
+1. Builds a workload from ../shared/data/qa/: ``--num-queries`` questions, each with
    ``--passages-per-query`` passages (its own and one shared with the next query, so queries
    overlap), in a shuffled order; about ``--holdout`` of each query's passages are never
    ingested (misses that the connector computes and stores).
-3. Ingests the corpus (timed), then sends the queries to two ``vllm serve`` replicas with the
-   kvblend connector, alternating; then the same queries to vLLM without a connector (prefix
-   caching off: ``full``) and to vLLM with its prefix caching (``vllm_prefix``), one engine at
-   a time, each mode after the same warm-up.
+2. Sends the queries to vLLM without a connector (prefix caching off: ``full``) and to vLLM
+   with its prefix caching (``vllm_prefix``), one engine at a time, before any kvblend
+   process runs.
+3. Starts a local Ray cluster with cache shards (host + disk tiers; the host tier is sized
+   smaller than the working set so the disk tier is really read), unless ``--ray-address``;
+   ingests the corpus (timed); sends the same queries to two ``vllm serve`` replicas with the
+   kvblend connector, alternating. Every engine gets the same one-query warm-up (its passages
+   are ingested, so kvblend's warm-up takes the blend path).
+   Queries are sent one after another, so one engine computes at a time: every engine's
+   OpenMP threads get all of this machine's cores (``--cpus``).
 4. Prints a table per mode (TTFT p50/p90, end-to-end time, hit rate, reused and recomputed
    tokens, agreement with full prefill's answers, gold F1), writes ``--json`` and a PNG.
 5. Stops everything unless ``--keep``.
@@ -57,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default=None, help="TTFT plot (default WORKDIR/demo-ttft.png)")
     p.add_argument("--keep", action="store_true", help="leave the cluster running (for kvblend status / the dashboard)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpus", default=None,
+                   help="CPU ids every engine binds its OpenMP threads to (default: all this process may use)")
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class Workload:
     queries: list[Query]
     ingest: list[str]           # passages ingested before serving
     held_out: list[str]         # passages never ingested
-    warmup: list[Query]
+    warmup: list[Query]         # one query sent to every engine before measuring
 
 
 def build_workload(examples, num_queries: int, k: int, holdout: float, seed: int) -> Workload:
@@ -83,13 +89,13 @@ def build_workload(examples, num_queries: int, k: int, holdout: float, seed: int
     """
     if num_queries < 1 or k < 2:
         raise ValueError(f"need --num-queries >= 1 and --passages-per-query >= 2 (got {num_queries}, {k})")
-    if len(examples) < num_queries + 2:
-        raise ValueError(f"dataset has {len(examples)} examples; need {num_queries + 2}")
+    if len(examples) < num_queries + 1:
+        raise ValueError(f"dataset has {len(examples)} examples; need {num_queries + 1}")
     rng = random.Random(seed)
     queries, warmup = [], []
     held: dict[str, None] = {}
     ingest: dict[str, None] = {}
-    for i in range(num_queries + 2):
+    for i in range(num_queries + 1):
         ex = examples[i]
         nxt = examples[(i + 1) % num_queries] if i < num_queries else examples[i]
         if len(ex.passages) < k:
@@ -101,8 +107,10 @@ def build_workload(examples, num_queries: int, k: int, holdout: float, seed: int
         order = chosen[:]
         rng.shuffle(order)
         q = Query(ex.id, ex.question, tuple(order), ex.answers)
-        if i >= num_queries:
+        if i >= num_queries:  # the warm-up query: its passages are ingested, nothing held out
             warmup.append(q)
+            for p in chosen:
+                ingest.setdefault(p, None)
             continue
         queries.append(q)
         # Hold out the query's last own passages (never the shared one, which other queries use).
@@ -206,7 +214,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
                                     "s3_endpoint_url": args.s3_endpoint_url})
     model_path = resolve_model(config.cluster.model, cache_dir(config))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    examples = load_examples(resolve_dataset(args.dataset), limit=args.num_queries + 2)
+    examples = load_examples(resolve_dataset(args.dataset), limit=args.num_queries + 1)
     workload = build_workload(examples, args.num_queries, args.passages_per_query, args.holdout, args.seed)
     sep = config.blend.blend_separator
     prompts = [render_prompt(tokenizer, q, sep) for q in workload.queries]
@@ -220,7 +228,21 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
     results: dict[str, ModeResult] = {}
     started_cluster = False
     ray_address = args.ray_address
+    cpus = args.cpus or replica_cpus(0, 1)
     try:
+        for mode in ("full", "vllm_prefix"):  # baselines first: no kvblend process running
+            if mode not in modes:
+                continue
+            t0 = time.perf_counter()
+            rep = start_replica(mode, model_path, use_connector=False,
+                                prefix_caching=(mode == "vllm_prefix"), log_dir=workdir, cpus=cpus)
+            try:
+                wait_ready(rep)
+                startup = time.perf_counter() - t0
+                results[mode] = _serve_queries(mode, [rep], workload, prompts, warm_prompts, args.max_tokens)
+                results[mode].startup_s = startup
+            finally:
+                rep.stop()
         if "kvblend" in modes:
             if not ray_address:
                 shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
@@ -236,21 +258,7 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
                 ray_address = "auto"
                 print(f"cluster: local Ray + shards up in {time.perf_counter() - t0:.1f} s")
             results["kvblend"] = _run_kvblend(args, config, model_path, tokenizer, workload, prompts,
-                                              warm_prompts, workdir, ray_address)
-        for mode in ("full", "vllm_prefix"):
-            if mode not in modes:
-                continue
-            t0 = time.perf_counter()
-            rep = start_replica(mode, model_path, use_connector=False,
-                                prefix_caching=(mode == "vllm_prefix"), log_dir=workdir,
-                                cpus=replica_cpus(0, 2))
-            try:
-                wait_ready(rep)
-                startup = time.perf_counter() - t0
-                results[mode] = _serve_queries(mode, [rep], workload, prompts, warm_prompts, args.max_tokens)
-                results[mode].startup_s = startup
-            finally:
-                rep.stop()
+                                              warm_prompts, workdir, ray_address, cpus)
     finally:
         if started_cluster and not args.keep:
             _kvblend_cli("stop", check=False)
@@ -277,12 +285,13 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
     return 0
 
 
-def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_prompts, workdir, ray_address):
+def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_prompts, workdir, ray_address,
+                 cpus):
     from cluster.config import load_config
     from cluster.ingest import build_engine, ingest_passages
     from cluster.namespace import namespace_for
     from cluster.ray_util import make_client
-    from cluster.serving import replica_cpus, start_replica, wait_ready
+    from cluster.serving import start_replica, wait_ready
 
     # 1. ingest (timed), through the engine's model, into the shared cache
     cfg = load_config(overrides={"ray_address": ray_address})
@@ -305,13 +314,15 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
         os.remove(stats_path)
     extra = {"ray_address": ray_address, "stats_path": stats_path}
     t0 = time.perf_counter()
-    # Each replica gets its own half of the cores; the baselines get one half too (equal compute
-    # per replica).
-    reps = [start_replica(f"kvblend-{c}", model_path, connector_extra=extra, log_dir=workdir,
-                          cpus=replica_cpus(i, 2)) for i, c in enumerate("ab")]
+    # Both replicas bind the same cores: queries go one at a time, so one engine computes at a
+    # time. They start one after the other (two engines warming up on the same cores at once
+    # crawl: spinning OpenMP threads).
+    reps = []
     try:
-        for r in reps:
-            wait_ready(r)
+        for c in "ab":
+            reps.append(start_replica(f"kvblend-{c}", model_path, connector_extra=extra, log_dir=workdir,
+                                      cpus=cpus))
+            wait_ready(reps[-1])
         startup = time.perf_counter() - t0
         mark = {}
         res = _serve_queries("kvblend", reps, workload, prompts, warm_prompts, args.max_tokens,

@@ -99,9 +99,11 @@ def start_replica(name: str, model_path: str, *, connector_extra: dict | None = 
 
     Args:
         cpus: CPU ids the engine's OpenMP threads are bound to (vLLM's
-            ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0"`` or ``"0-3"``); None = vLLM's default.
-            Replicas sharing a machine must get disjoint CPUs: two engines binding the same
-            cores ran prefill ~40x slower here (spinning OpenMP threads).
+            ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0"`` or ``"0-3"``); None = vLLM's default
+            (one core fewer than the machine has: on 2 cores a 3.5K-token prefill took 24 s
+            with it, 12 s bound to ``"0-1"``, 2026-11-29). Engines that compute at the same
+            time must get disjoint CPUs (two engines busy on the same cores ran ~40x slower:
+            spinning OpenMP threads); engines used one at a time may share them.
     """
     port = free_port()
     dtype = dtype or default_dtype()

@@ -115,21 +115,33 @@ def test_separator_in_context(readme_vllm, tmp_path):
 
     sep = "\n# #\n"
 
+    names = ("vllm:external_prefix_cache_hits_total", "vllm:kvblend_hit_segments_total",
+             "vllm:kvblend_blend_requests_total")
+
+    def metrics() -> list[float]:
+        text = requests.get(readme_vllm + "/metrics", timeout=10).text
+        return [_metric(text, n) for n in names]
+
     def ask(order):
         user = sep + sep.join(passages[i] for i in order) + sep + f"Question: {ex.question}"
-        before = _metric(requests.get(readme_vllm + "/metrics", timeout=10).text,
-                         "vllm:external_prefix_cache_hits_total")
+        before = metrics()
         resp = requests.post(readme_vllm + "/v1/chat/completions", timeout=600, json={
             "model": "model", "max_tokens": 8, "temperature": 0.0,
             "messages": [{"role": "user", "content": user}]})
         assert resp.status_code == 200, resp.text
-        after = _metric(requests.get(readme_vllm + "/metrics", timeout=10).text,
-                        "vllm:external_prefix_cache_hits_total")
-        return after - before, resp.json()["choices"][0]["message"]["content"]
+        deadline = time.time() + 30  # vLLM's stats loop publishes the step's counters
+        while True:
+            delta = [a - b for a, b in zip(metrics(), before, strict=True)]
+            if delta[1] >= 3 or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        return delta, resp.json()["choices"][0]["message"]["content"]
 
     passage_tokens = 3 * 200  # each passage is hundreds of tokens; claimed tokens cover them
-    claimed, answer = ask([0, 1, 2])
+    (claimed, hit_segments, blended), answer = ask([0, 1, 2])
     assert claimed >= passage_tokens, f"connector claimed only {claimed} tokens"
+    # our counters on vLLM's /metrics (the connector's Prometheus hooks)
+    assert (hit_segments, blended) == (3, 1)
     assert "# #" not in answer
-    claimed2, _ = ask([2, 0, 1])
-    assert claimed2 >= passage_tokens
+    (claimed2, hit_segments2, _), _ = ask([2, 0, 1])
+    assert claimed2 >= passage_tokens and hit_segments2 == 3

@@ -62,7 +62,8 @@ def blend_llm(smollm2_path, blend_stats_path):
         kv_connector="KVBlendConnector", kv_connector_module_path="cluster.connector",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"stats_path": blend_stats_path, "recompute_ratios": [1.0],
-                                   "min_tokens": 32, "chunk_size": 64, "ray_address": NO_RAY})
+                                   "min_tokens": 32, "chunk_size": 64, "ray_address": NO_RAY,
+                                   "gpu_size_gib": 0.25})
     llm = LLM(smollm2_path, dtype="float32", enforce_eager=True, max_model_len=4096,
               enable_prefix_caching=False, kv_transfer_config=ktc, seed=0)
     yield llm

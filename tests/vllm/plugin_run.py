@@ -37,10 +37,13 @@ if __name__ == "__main__":
     ids2, _ = build_blend_prompt(tok, system, [texts[2], texts[0], texts[1]], q)
     sp = SamplingParams(max_tokens=6, temperature=0.0)
     outs = []
-    for i, ids in enumerate((ids1, ids2, ids2)):
+    # "reader": another engine that only sends the reordered prompt (the chunks come from the
+    # shared cache, stored by an earlier engine)
+    requests = (ids2,) if os.environ.get("PLUGIN_RUN_PHASE") == "reader" else (ids1, ids2, ids2)
+    for i, ids in enumerate(requests):
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
         outs.append({"request_id": out.request_id, "token_ids": list(out.outputs[0].token_ids)})
-        if i == 0:  # the cold request's chunks are stored in the background: wait for them
+        if i == 0 and len(requests) > 1:  # the cold request's chunks are stored after it: wait
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not any(e["event"] == "store" for e in read_stats(stats_path)):
                 time.sleep(0.2)

@@ -72,6 +72,8 @@ def test_full_hit_reordered(blend_llm, blend_stats_path, tokenizer):
         assert load["num_hit_segments"] == 3 and load["reused_tokens"] == chunk_tokens
         assert load["load_end"] == lookup["blend_end"] < len(ids2)  # vLLM computes the query
         _assert_matches_full(out, ref)
+    # the worker kept the chunks it stored in its gpu tier: the repeat reads them there
+    assert _one(blend_stats_path, out3, "load")["gpu_hit_segments"] == 3
     # the repeat was served by our cache (vLLM prefix caching is off in this engine)
     assert _one(blend_stats_path, out3, "claim")["local_computed_tokens"] == 0
     assert _one(blend_stats_path, ref, "claim")["claimed_tokens"] == 0
@@ -232,9 +234,74 @@ def test_fault_during_load_falls_back_to_full_prefill(blend_llm, blend_stats_pat
         return fut
 
     monkeypatch.setattr(client, "fetch_layer", flaky_fetch)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    monkeypatch.setattr(get_kv_transfer_group()._source, "gpu", None)  # every layer from the client
     ids, _ = build_blend_prompt(tokenizer, SYSTEM, texts[::-1], "Question: which item is 8001?")
     out = generate(blend_llm, ids)
     monkeypatch.undo()
     load = _one(blend_stats_path, out, "load")
     assert load["fallback"] and "layer 5" in load["full_prefill_reason"]
     _assert_matches_full(out, generate(blend_llm, ids, FULL))
+
+
+def test_prometheus_hooks_export_our_counters():
+    """Worker and scheduler deltas are summed by vLLM (aggregate) and land on /metrics as
+    ``vllm:kvblend_<name>_total`` per engine (build_prom_metrics -> observe)."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from cluster.connector import PROM_COUNTERS, KVBlendConnector
+
+    worker = KVBlendConnector.build_kv_connector_stats({"hit_segments": 3, "reused_tokens": 900})
+    sched = KVBlendConnector.build_kv_connector_stats({"requests": 1, "claimed_tokens": 950})
+    total = worker.aggregate(sched)
+    assert total.reduce() == {"hit_segments": 3, "reused_tokens": 900, "requests": 1, "claimed_tokens": 950}
+    assert not total.is_empty() and KVBlendConnector.build_kv_connector_stats({}).is_empty()
+
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+
+    class _Cfg:
+        kv_transfer_config = None
+
+    prom = KVBlendConnector.build_prom_metrics(_Cfg(), types, ["model_name", "engine"],
+                                               {0: ["m", "0"], 1: ["m", "1"]})
+    prom.observe(total.data, engine_idx=1)
+    prom.observe({"hit_segments": 2}, engine_idx=1)
+    assert reg.get_sample_value("vllm:kvblend_hit_segments_total", {"model_name": "m", "engine": "1"}) == 5
+    assert reg.get_sample_value("vllm:kvblend_hit_segments_total", {"model_name": "m", "engine": "0"}) == 0
+    assert reg.get_sample_value("vllm:kvblend_claimed_tokens_total", {"model_name": "m", "engine": "1"}) == 950
+    names = {m.name for m in reg.collect()}
+    assert {f"vllm:kvblend_{n}" for n in PROM_COUNTERS} <= names
+
+
+def test_connector_stats_reach_vllm_every_step(blend_llm, tokenizer, monkeypatch):
+    """vLLM collects our counter deltas from both connectors every step (the input of the
+    Prometheus hooks): summed, they say what the two requests did."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    scheduler = blend_llm.llm_engine.engine_core.engine_core.scheduler.connector
+    seen: list[dict] = []
+    for conn in (worker, scheduler):
+        real = conn.get_kv_connector_stats
+
+        def spy(real=real):
+            got = real()
+            if got is not None:
+                seen.append(dict(got.data))
+            return got
+
+        monkeypatch.setattr(conn, "get_kv_connector_stats", spy)
+    ids, _ = build_blend_prompt(tokenizer, SYSTEM, [passage(900), passage(901)], "Question: ok?")
+    generate(blend_llm, ids)
+    generate(blend_llm, ids)
+    total: dict = {}
+    for d in seen:
+        for k, v in d.items():
+            total[k] = total.get(k, 0) + v
+    assert total["requests"] == 2 and total["stored_chunks"] == 2
+    assert total["hit_segments"] == 2 and total["blend_requests"] == 1
+    assert total["claimed_tokens"] > 0 and total.get("fallbacks", 0) == 0

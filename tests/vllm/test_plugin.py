@@ -99,3 +99,21 @@ def test_ray_cache_shared_by_scheduler_and_worker_processes(smollm2_path, tmp_pa
     assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 3)
     load = events(stats, blended["request_id"], "load")[0]
     assert not load["fallback"] and load["num_hit_segments"] == 3
+
+
+def test_second_engine_hits_chunks_stored_by_the_first(smollm2_path, tmp_path_factory, ray_cache):
+    """Issue 6 test 3: engine B, another process started after engine A exited (A's connector
+    flushed its stores at shutdown), blends every segment from the Ray-hosted cache."""
+    stats = str(tmp_path_factory.mktemp("plugin_ray_b") / "stats.jsonl")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1", PLUGIN_RUN_PHASE="reader")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "plugin_run.py"),
+                           smollm2_path, stats, json.dumps(ray_cache)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (blended,) = json.loads(lines[-1][len("RESULT "):])["outputs"]
+    lookup = events(stats, blended["request_id"], "lookup")[0]
+    assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 3)
+    assert not events(stats, blended["request_id"], "store")  # nothing new to store
+    load = events(stats, blended["request_id"], "load")[0]
+    assert not load["fallback"] and load["num_hit_segments"] == 3

@@ -1,0 +1,60 @@
+"""cluster.worker_source: the worker's gpu tier in front of the cache client."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from cluster.worker_source import WorkerKVSource
+from tiers.gpu import GpuTier
+from tiers.keys import ChunkKey
+
+L, T, H, D = 3, 5, 2, 4
+
+
+class _Client:
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.reads: list[tuple[tuple[ChunkKey, ...], int]] = []
+
+    def lookup(self, keys):
+        return [None for _ in keys]
+
+    def fetch_layer(self, keys, layer_idx):
+        self.reads.append((tuple(keys), layer_idx))
+        f: Future = Future()
+        f.set_result([self.chunks[k][layer_idx] if k in self.chunks else None for k in keys])
+        return f
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey("ns", "seg", f"{i:032x}")
+
+
+def test_chunks_read_through_the_client_are_kept_in_the_gpu_tier():
+    chunks = {_key(i): torch.randn(L, 2, T, H, D) for i in range(2)}
+    client = _Client(chunks)
+    src = WorkerKVSource(client, GpuTier(1 << 20), num_layers=L)
+    keys = [_key(0), _key(1), _key(9)]  # the last one is cached nowhere
+    first = [src.fetch_layer(keys, layer).result() for layer in range(L)]
+    assert len(client.reads) == L and src.gpu_hits(keys) == 2
+    for layer, got in enumerate(first):
+        assert torch.equal(got[0], chunks[_key(0)][layer]) and got[2] is None
+    client.reads.clear()
+    again = [src.fetch_layer(keys[:2], layer).result() for layer in range(L)]
+    assert client.reads == []  # served by the gpu tier, bit for bit
+    for layer, got in enumerate(again):
+        assert torch.equal(got[1], chunks[_key(1)][layer])
+
+
+def test_no_gpu_tier_reads_every_layer_from_the_client():
+    chunks = {_key(0): torch.randn(L, 2, T, H, D)}
+    client = _Client(chunks)
+    src = WorkerKVSource(client, None, num_layers=L)
+    for _ in range(2):
+        for layer in range(L):
+            assert torch.equal(src.fetch_layer([_key(0)], layer).result()[0], chunks[_key(0)][layer])
+    assert len(client.reads) == 2 * L and src.gpu_hits([_key(0)]) == 0
+    src.remember(_key(0), chunks[_key(0)])  # no gpu tier: nothing kept, no error
+    assert src.gpu_hits([_key(0)]) == 0
