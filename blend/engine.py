@@ -125,6 +125,9 @@ class BlendEngine:
             call :meth:`blend` with the same plan segments, hits and ratios. Reductions the
             model itself needs (row-parallel projections) are the model adapter's business.
             None: no tensor parallelism.
+        fetch_thread_initializer: called at the start of the fetch thread (e.g. to set
+            its CPU affinity: inside a vLLM CPU worker a new thread inherits the main
+            thread's single pinned core).
 
     Re-rotation of cached K uses the model's ``inv_freq`` ``[D/2]`` when it has one, else
     :func:`blend.rope.inv_freq_for` of its spec (what :meth:`BlendModel.rotate_k` uses).
@@ -134,7 +137,8 @@ class BlendEngine:
     """
 
     def __init__(self, model: BlendModel, source: KVSource | None = None, *, score: str = "k",
-                 process_group: torch.distributed.ProcessGroup | None = None) -> None:
+                 process_group: torch.distributed.ProcessGroup | None = None,
+                 fetch_thread_initializer: Callable[[], None] | None = None) -> None:
         if score not in SCORES:
             raise ValueError(f"score={score!r}: choose one of {SCORES}")
         self.score = score
@@ -143,6 +147,7 @@ class BlendEngine:
         self.spec = model.spec
         self.scale = float(getattr(model, "scale", self.spec.head_dim ** -0.5))
         self.process_group = process_group
+        self._fetch_thread_initializer = fetch_thread_initializer
         self._group_device = torch.device("cpu")
         if process_group is not None and torch.distributed.get_backend(process_group) == "nccl":
             self._group_device = model.device
@@ -344,7 +349,8 @@ class BlendEngine:
         def request(layer_idx: int) -> None:
             if keys and first_check <= layer_idx < spec.num_layers and layer_idx not in pending:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-fetch")
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-fetch",
+                                                    initializer=self._fetch_thread_initializer)
                 pending[layer_idx] = self._pool.submit(self._fetch, keys, layer_idx)
 
         def cached_layer(layer_idx: int) -> torch.Tensor:

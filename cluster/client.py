@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from blend.protocols import ChunkMeta
+from cluster.affinity import unpin_thread
 from cluster.client_api import encode_kv, layer_tensor
 from cluster.placement import Placement
 from cluster.ray_util import connect, get_shard, shard_names
@@ -112,7 +113,7 @@ class CacheClient:
         self._pending: dict[object, tuple[str, ChunkKey]] = {}
         self._pending_keys: set[ChunkKey] = set()
         self._put_shards: set[str] = set()
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-client")
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-client", initializer=unpin_thread)
         self._shared = None
         self.counters = dict.fromkeys(
             ("lookups", "hits", "misses", "read_errors", "shard_errors", "timeouts", "direct_reads",

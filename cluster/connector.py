@@ -359,7 +359,10 @@ class KVBlendConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         self.namespace = namespace_for(self.model_path, self.kv_dtype, tp_rank=tp_rank, tp_size=tp_size)
         self.namespace_digest = self.namespace.digest()
-        self.client = make_client(self.config, self.namespace_digest) if self.enabled else None
+        from cluster.affinity import all_cpus
+
+        with all_cpus():  # Ray's threads must not inherit vLLM's one pinned core (cluster.affinity)
+            self.client = make_client(self.config, self.namespace_digest) if self.enabled else None
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvblend: kv_load_failure_policy=%r: a request whose cached KV cannot be "
                         "produced even by our own prefill fails; set it to 'recompute'",
@@ -429,6 +432,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             if self._engine is None:
                 from blend.adapters.vllm import VLLMModelAdapter
                 from blend.engine import BlendEngine
+                from cluster.affinity import unpin_thread
                 from cluster.vllm_model import current_model
                 from cluster.worker_source import WorkerKVSource
                 from tiers.gpu import GpuTier
@@ -437,7 +441,7 @@ class KVBlendConnector(KVConnectorBase_V1):
                 gib = self.config.tiers.gpu_size_gib
                 gpu = GpuTier(int(gib * 2**30), device=adapter.device) if gib > 0 else None
                 self._source = WorkerKVSource(self.client, gpu, adapter.spec.num_layers)
-                self._engine = BlendEngine(adapter, self._source)
+                self._engine = BlendEngine(adapter, self._source, fetch_thread_initializer=unpin_thread)
             return self._engine
 
     # ============================================================ scheduler side
@@ -815,7 +819,10 @@ class KVBlendConnector(KVConnectorBase_V1):
 
     def _io_submit(self, fn, *args) -> None:
         if self._io_pool is None:
-            self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store-io")
+            from cluster.affinity import unpin_thread
+
+            self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store-io",
+                                               initializer=unpin_thread)
         self._io_futures = [f for f in self._io_futures if not f.done()]
         self._io_futures.append(self._io_pool.submit(fn, *args))
 

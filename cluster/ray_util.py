@@ -17,8 +17,10 @@ then run without the shared cache (:func:`make_client` returns a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import socket
 import threading
 
@@ -62,6 +64,24 @@ def warn_once(message: str, *args) -> None:
     log.warning(message, *args)
 
 
+@contextlib.contextmanager
+def _unseeded_random():
+    """Reseed Python's ``random`` from OS entropy for the block, then restore its state.
+
+    Ray draws each driver's GCS pubsub subscriber id from ``random``. vLLM seeds ``random``
+    identically in every worker (``seed=0``), so two replicas' workers joined Ray with the
+    same error-subscriber id and each poll cancelled the other's: a busy loop of
+    ``GcsSubscriberPoll`` (measured 2026-11-29 on 2 cores: GCS ~60% of a core, each idle
+    worker ~20%, blends 3-5x slower). The caller's random sequence is left as it was.
+    """
+    state = random.getstate()
+    random.seed()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
 def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
             include_dashboard: bool = False, dashboard_port: int | None = None,
             metrics_export_port: int | None = None, temp_dir: str | None = None):
@@ -91,11 +111,12 @@ def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
             resources = {cfg.shard_resource: float(cfg.shards_per_node)} if cfg.shard_resource else {}
         # address="local": always a new cluster (plain ray.init() would join one already
         # running on this machine, e.g. another deployment's)
-        ray.init(address="local", namespace=cfg.ray_namespace, resources=resources,
-                 object_store_memory=int(cfg.object_store_gib * 2**30),
-                 include_dashboard=include_dashboard, dashboard_port=dashboard_port,
-                 _metrics_export_port=metrics_export_port, _temp_dir=temp_dir,
-                 log_to_driver=False, configure_logging=False)
+        with _unseeded_random():
+            ray.init(address="local", namespace=cfg.ray_namespace, resources=resources,
+                     object_store_memory=int(cfg.object_store_gib * 2**30),
+                     include_dashboard=include_dashboard, dashboard_port=dashboard_port,
+                     _metrics_export_port=metrics_export_port, _temp_dir=temp_dir,
+                     log_to_driver=False, configure_logging=False)
         return ray
     if address == "auto":
         address = _auto_address()
@@ -105,8 +126,9 @@ def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
         return None
     _token_auth_if_available()
     try:
-        ray.init(address=address, namespace=cfg.ray_namespace, log_to_driver=False,
-                 configure_logging=False)
+        with _unseeded_random():
+            ray.init(address=address, namespace=cfg.ray_namespace, log_to_driver=False,
+                     configure_logging=False)
     except (ConnectionError, RuntimeError, TimeoutError) as e:
         log.debug("ray.init(%s) failed: %s", address, e)
         return None
