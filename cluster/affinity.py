@@ -3,10 +3,9 @@
 vLLM's CPU worker binds its OpenMP threads to the cores of ``VLLM_CPU_OMP_THREADS_BIND`` and,
 with them, its main thread (OpenMP thread 0) to the first of those cores. Every thread the
 main thread starts afterwards inherits that one-core mask: Ray's core-worker threads, our
-fetch and I/O threads. They then compete with OpenMP thread 0 for one core while the other
-cores idle, and with two replicas on one machine the starved Ray threads kept the GCS busy
-answering their polls (measured 2026-11-29 on 2 cores: GCS ~60% of a core, each idle
-worker ~20%; a blend took 10-17 s instead of 3 s).
+fetch and I/O threads. They would then share that core with OpenMP thread 0 while the other
+cores wait at the end of each parallel region (seen 2026-11-29 with ``taskset``: every
+thread of a worker on core 0 of ``0-1``; the effect on TTFT was not measured separately).
 
 :func:`unpin_thread` gives the calling thread every CPU this process may use (the thread
 initializer of our pools); :func:`all_cpus` does it temporarily around code that starts

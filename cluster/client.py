@@ -54,7 +54,10 @@ log = logging.getLogger("kvblend.client")
 REFRESH_S = 5.0
 SUSPECT_S = 2.0
 MAX_CACHED_HEADERS = 65536
-DEFAULT_MAX_MAPPED_BYTES = 1 << 30
+#: Several clients share a node's object store (2 GiB by default): at 1 GiB each, two vLLM
+#: workers' clients filled it and the shard's promotions from disk failed (the demo,
+#: 2026-11-29: 3 of 16 requests fell back to full prefill). One request maps ~140 MB here.
+DEFAULT_MAX_MAPPED_BYTES = 256 << 20
 MAX_PENDING_PUTS = 256
 
 
