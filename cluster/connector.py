@@ -97,6 +97,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from blend.plan import CHUNK, BlendPlan
 from cluster import paged
+from cluster.affinity import all_cpus, unpin_thread
 from cluster.events import read_stats, wait_for_stores  # noqa: F401  (re-exported)
 from tiers.keys import ChunkKey, prefix_keys
 
@@ -359,8 +360,6 @@ class KVBlendConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         self.namespace = namespace_for(self.model_path, self.kv_dtype, tp_rank=tp_rank, tp_size=tp_size)
         self.namespace_digest = self.namespace.digest()
-        from cluster.affinity import all_cpus
-
         with all_cpus():  # Ray's threads must not inherit vLLM's one pinned core (cluster.affinity)
             self.client = make_client(self.config, self.namespace_digest) if self.enabled else None
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -432,7 +431,6 @@ class KVBlendConnector(KVConnectorBase_V1):
             if self._engine is None:
                 from blend.adapters.vllm import VLLMModelAdapter
                 from blend.engine import BlendEngine
-                from cluster.affinity import unpin_thread
                 from cluster.vllm_model import current_model
                 from cluster.worker_source import WorkerKVSource
                 from tiers.gpu import GpuTier
@@ -819,8 +817,6 @@ class KVBlendConnector(KVConnectorBase_V1):
 
     def _io_submit(self, fn, *args) -> None:
         if self._io_pool is None:
-            from cluster.affinity import unpin_thread
-
             self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store-io",
                                                initializer=unpin_thread)
         self._io_futures = [f for f in self._io_futures if not f.done()]
