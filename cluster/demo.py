@@ -261,6 +261,10 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
                                               warm_prompts, workdir, ray_address, cpus)
     finally:
         if started_cluster and not args.keep:
+            import ray
+
+            if ray.is_initialized():  # our own driver (ingest) first: else the raylet's exit looks like a crash
+                ray.shutdown()
             _kvblend_cli("stop", check=False)
             subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
                            capture_output=True)
