@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -103,6 +103,34 @@ class BlendResult:
     logits: torch.Tensor | None
     recompute_idx: torch.Tensor
     counters: BlendCounters
+
+
+def run_steps(steps: Generator[int, None, BlendResult]) -> BlendResult:
+    """Drive a step generator (:meth:`BlendEngine.blend_steps`) to its end, gradients off;
+    returns its result."""
+    with torch.no_grad():
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+
+def _timed(steps: Generator[int, None, BlendResult], spent: list[float]) -> Generator[int, None, BlendResult]:
+    """Pass ``steps`` through, adding the seconds spent inside each step to ``spent[0]``;
+    closing it closes ``steps``."""
+    try:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                layer_idx = next(steps)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                spent[0] += time.perf_counter() - t0
+            yield layer_idx
+    finally:
+        steps.close()
 
 
 class _Fallback(Exception):
@@ -172,9 +200,9 @@ class BlendEngine:
                 shorter than the input.
         """
         counters = BlendCounters(computed_tokens=len(token_ids))
-        start = time.perf_counter()
-        result = self._full(list(token_ids), want_logits, on_layer, counters)
-        counters.compute_s = time.perf_counter() - start
+        spent = [0.0]
+        result = run_steps(_timed(self._full(list(token_ids), want_logits, on_layer, counters), spent))
+        counters.compute_s = spent[0]
         return result
 
     def blend(self, plan: BlendPlan, *, want_logits: bool = True,
@@ -193,11 +221,30 @@ class BlendEngine:
                 layer outside the model, RoPE that is not linear in position or a sliding
                 window shorter than the prompt (see :func:`blend.rope.check_blendable`).
         """
-        start = time.perf_counter()
+        return run_steps(self.blend_steps(plan, want_logits=want_logits, on_layer=on_layer))
+
+    def blend_steps(self, plan: BlendPlan, *, want_logits: bool = True,
+                    on_layer: OnLayer | None = None) -> Generator[int, None, BlendResult]:
+        """:meth:`blend` one layer at a time, for a caller that interleaves other work (vLLM's
+        async-load path: a long blend sliced across engine steps so that other requests keep
+        decoding).
+
+        Yields the index of each layer once its ``on_layer`` call returned (after a
+        mid-request fallback the layers count from 0 again); returns the
+        :class:`BlendResult` (``StopIteration.value``; :func:`run_steps` drives it to the
+        end). Drive it with gradients off (``torch.no_grad``/``inference_mode`` around each
+        ``next``) and on one thread at a time; the next layer's cached KV keeps loading on
+        the fetch thread between steps. ``close()`` abandons the request (pending reads are
+        cancelled). ``counters.compute_s`` counts only the time spent inside steps.
+
+        Raises:
+            ValueError: as :meth:`blend`, from the first ``next``.
+        """
         num_tokens = plan.blend_end
         token_ids = list(plan.token_ids[:num_tokens])
         chunks = [s for s in plan.segments if s.kind == CHUNK and s.start < num_tokens]
         counters = BlendCounters(num_segments=len(chunks))
+        spent = [0.0]
         reason = plan.full_prefill_reason
         if reason is None and self.source is None:
             reason = "source unavailable"
@@ -208,16 +255,16 @@ class BlendEngine:
             if bad:
                 raise ValueError(f"check_layers {bad} outside the model's {self.spec.num_layers} layers")
             try:
-                result = self._blend(plan, want_logits, on_layer, counters)
-                counters.compute_s = time.perf_counter() - start - counters.load_wait_s
+                result = yield from _timed(self._blend(plan, want_logits, on_layer, counters), spent)
+                counters.compute_s = spent[0] - counters.load_wait_s
                 self._log(counters)
                 return result
             except _Fallback as e:
                 reason = str(e)
         counters = BlendCounters(num_segments=len(chunks), computed_tokens=num_tokens,
                                  load_wait_s=counters.load_wait_s, full_prefill_reason=reason)
-        result = self._full(token_ids, want_logits, on_layer, counters)
-        counters.compute_s = time.perf_counter() - start - counters.load_wait_s
+        result = yield from _timed(self._full(token_ids, want_logits, on_layer, counters), spent)
+        counters.compute_s = spent[0] - counters.load_wait_s
         self._log(counters)
         return result
 
@@ -247,8 +294,8 @@ class BlendEngine:
                   c.full_prefill_reason)
 
     def _full(self, token_ids: list[int], want_logits: bool, on_layer: OnLayer | None,
-              counters: BlendCounters) -> BlendResult:
-        """Causal prefill of every row in every layer."""
+              counters: BlendCounters) -> Generator[int, None, BlendResult]:
+        """Causal prefill of every row in every layer (a step per layer, see :meth:`blend_steps`)."""
         num_tokens = len(token_ids)
         self._check_length(num_tokens)
         if self.spec.sliding_window is not None and self.spec.sliding_window < num_tokens:
@@ -260,17 +307,17 @@ class BlendEngine:
         positions = torch.arange(num_tokens, device=device)
         hidden, residual = model.embed(ids), None  # [N, E]
         kv_layers: list[torch.Tensor] = []
-        with torch.no_grad():
-            for layer_idx in range(self.spec.num_layers):
-                q, k, v, residual = model.qkv(layer_idx, hidden, residual, positions)
-                attn_out = attend(q, k, v, None, self.scale)  # [N, Hq * D]
-                hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
-                kv = torch.stack((k, v))  # [2, N, H, D]
-                kv_layers.append(kv)
-                counters.recomputed_tokens_per_layer.append(num_tokens)
-                if on_layer is not None:
-                    on_layer(layer_idx, kv)
-            logits = model.logits(hidden[-1:], residual[-1:])[0] if want_logits else None
+        for layer_idx in range(self.spec.num_layers):
+            q, k, v, residual = model.qkv(layer_idx, hidden, residual, positions)
+            attn_out = attend(q, k, v, None, self.scale)  # [N, Hq * D]
+            hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
+            kv = torch.stack((k, v))  # [2, N, H, D]
+            kv_layers.append(kv)
+            counters.recomputed_tokens_per_layer.append(num_tokens)
+            if on_layer is not None:
+                on_layer(layer_idx, kv)
+            yield layer_idx
+        logits = model.logits(hidden[-1:], residual[-1:])[0] if want_logits else None
         return BlendResult(kv_layers, logits, positions.clone(), counters)
 
     def _scores(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, fresh_idx: torch.Tensor,
@@ -309,7 +356,7 @@ class BlendEngine:
             return None
 
     def _blend(self, plan: BlendPlan, want_logits: bool, on_layer: OnLayer | None,
-               counters: BlendCounters) -> BlendResult:
+               counters: BlendCounters) -> Generator[int, None, BlendResult]:
         model, spec = self.model, self.spec
         device, dtype = model.device, model.dtype
         num_tokens = plan.blend_end
@@ -393,61 +440,61 @@ class BlendEngine:
         rows = None         # the final rows' attention mask (CUDA), built at the last check layer
         kv_layers: list[torch.Tensor] = []
         try:
-            with torch.no_grad():
-                for layer_idx in range(spec.num_layers):
-                    for ahead in range(1, PREFETCH_DEPTH + 1):
-                        request(layer_idx + ahead)
-                    q, k, v, residual = model.qkv(layer_idx, hidden, residual,
-                                                  positions if active is positions else positions[active])
-                    counters.recomputed_tokens_per_layer.append(int(active.numel()))
-                    if layer_idx < first_check:
-                        attn_out = attend(q, k, v, None, self.scale)
-                        hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
-                        kv = torch.stack((k, v))  # [2, N, H, D]
+            for layer_idx in range(spec.num_layers):
+                for ahead in range(1, PREFETCH_DEPTH + 1):
+                    request(layer_idx + ahead)
+                q, k, v, residual = model.qkv(layer_idx, hidden, residual,
+                                              positions if active is positions else positions[active])
+                counters.recomputed_tokens_per_layer.append(int(active.numel()))
+                if layer_idx < first_check:
+                    attn_out = attend(q, k, v, None, self.scale)
+                    hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
+                    kv = torch.stack((k, v))  # [2, N, H, D]
+                else:
+                    kv = cached_layer(layer_idx)  # [2, N, H, D], this layer's own buffer
+                    new_active = active
+                    if layer_idx in check_layers:
+                        i = check_layers.index(layer_idx)
+                        cand_local = torch.nonzero(is_reused_d[active]).flatten()  # reused rows computed here
+                        if forced_d is not None:
+                            sel_local = cand_local[forced_d[active[cand_local]]]
+                        else:  # scored before fresh rows overwrite the cached ones
+                            scores = self._scores(k, v, kv, cand_local, active[cand_local])  # [Rc]
+                            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
+                            sel_local = ops.select_top(scores, plan.recompute_ratios[i], threshold,
+                                                       cand_local, num_reused=num_reused)
+                        keep = ~is_reused_d[active]
+                        keep[sel_local] = True
+                        keep_local = torch.nonzero(keep).flatten()  # [A'] into active
+                        counters.selected_tokens = int(sel_local.numel())
+                        new_active = active[keep_local]
+                    if active.numel() == num_tokens:  # every row fresh: plain copies
+                        kv[0].copy_(k)
+                        kv[1].copy_(v)
                     else:
-                        kv = cached_layer(layer_idx)  # [2, N, H, D], this layer's own buffer
-                        new_active = active
-                        if layer_idx in check_layers:
-                            i = check_layers.index(layer_idx)
-                            cand_local = torch.nonzero(is_reused_d[active]).flatten()  # reused rows computed here
-                            if forced_d is not None:
-                                sel_local = cand_local[forced_d[active[cand_local]]]
-                            else:  # scored before fresh rows overwrite the cached ones
-                                scores = self._scores(k, v, kv, cand_local, active[cand_local])  # [Rc]
-                                threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
-                                sel_local = ops.select_top(scores, plan.recompute_ratios[i], threshold,
-                                                           cand_local, num_reused=num_reused)
-                            keep = ~is_reused_d[active]
-                            keep[sel_local] = True
-                            keep_local = torch.nonzero(keep).flatten()  # [A'] into active
-                            counters.selected_tokens = int(sel_local.numel())
-                            new_active = active[keep_local]
-                        if active.numel() == num_tokens:  # every row fresh: plain copies
-                            kv[0].copy_(k)
-                            kv[1].copy_(v)
-                        else:
-                            kv[0, active] = k
-                            kv[1, active] = v
-                        if new_active is not active:
-                            q, residual = q[keep_local], residual[keep_local]
-                        if rows is None and layer_idx >= last_check and new_active.is_cuda and new_active.numel():
-                            # The rows stay fixed from here on: one block mask for every later
-                            # layer (the CPU reference path needs none).
-                            rows = ops.prepare_rows(new_active, num_tokens)
-                        if rows is None:
-                            attn_out = attend(q, kv[0], kv[1], new_active, self.scale)
-                        else:
-                            attn_out = attend(q, kv[0], kv[1], new_active, self.scale, rows)
-                        hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
-                        active = new_active
-                    kv_layers.append(kv)
-                    if on_layer is not None:
-                        on_layer(layer_idx, kv)
-                logits = None
-                if want_logits:
-                    if int(active[-1]) != num_tokens - 1:
-                        raise RuntimeError("the last prompt row was not computed")
-                    logits = model.logits(hidden[-1:], residual[-1:])[0]
+                        kv[0, active] = k
+                        kv[1, active] = v
+                    if new_active is not active:
+                        q, residual = q[keep_local], residual[keep_local]
+                    if rows is None and layer_idx >= last_check and new_active.is_cuda and new_active.numel():
+                        # The rows stay fixed from here on: one block mask for every later
+                        # layer (the CPU reference path needs none).
+                        rows = ops.prepare_rows(new_active, num_tokens)
+                    if rows is None:
+                        attn_out = attend(q, kv[0], kv[1], new_active, self.scale)
+                    else:
+                        attn_out = attend(q, kv[0], kv[1], new_active, self.scale, rows)
+                    hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
+                    active = new_active
+                kv_layers.append(kv)
+                if on_layer is not None:
+                    on_layer(layer_idx, kv)
+                yield layer_idx
+            logits = None
+            if want_logits:
+                if int(active[-1]) != num_tokens - 1:
+                    raise RuntimeError("the last prompt row was not computed")
+                logits = model.logits(hidden[-1:], residual[-1:])[0]
         finally:
             for fut in pending.values():
                 fut.cancel()

@@ -19,7 +19,7 @@ Prompts without separators take the prefix path: chunks of ``chunk_size`` tokens
 :func:`tiers.keys.prefix_keys`, loaded exactly and stored after the forward.
 ``build_connector_meta`` sends each request's plan and slot mapping to the worker.
 
-Worker side (``start_load_kv``, synchronous: before the forward that computes the query):
+Worker side (``start_load_kv``):
 :class:`blend.engine.BlendEngine` runs over :class:`blend.adapters.vllm.VLLMModelAdapter`
 and :class:`cluster.worker_source.WorkerKVSource` (the worker's gpu tier of ``gpu_size_gib``
 in front of the cache client; the load event's ``gpu_hit_segments`` counts its hits), and each layer's final KV is written at the request's slots by the
@@ -29,6 +29,18 @@ request's KV is recomputed by full prefill through the same adapter; if even tha
 its blocks are reported by ``get_block_ids_with_load_errors`` (set vLLM's
 ``kv_load_failure_policy="recompute"`` so vLLM recomputes them instead of failing the
 request). Never partial KV: the last write per layer wins and every claimed slot is written.
+
+Blends take vLLM's **async-load path** (``load_async``, default on): the scheduler answers
+``(tokens, True)``, vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` with its blocks
+allocated, and the worker advances the blend a few layers per engine step
+(:meth:`blend.engine.BlendEngine.blend_steps`) for about ``load_step_s`` seconds after the
+step's forward, so requests already decoding keep getting tokens while a long prompt blends
+(the model runs on the worker's own thread only: vLLM's CPU ops are not thread-safe). A step
+with nothing else scheduled runs the rest of the blend at once. Done loads are reported in
+``get_finished``'s ``finished_recving``; vLLM then schedules the query. A request aborted
+mid-load is abandoned and reported the same way (vLLM frees its blocks then).
+Prefix loads and ``load_async=False`` stay synchronous (before the forward that computes the
+query).
 
 Store side: the canonical (standalone, positions ``0..n-1``) KV of chunk segments not yet
 cached is computed with ``engine.prefill`` on the worker's own thread, never concurrently with
@@ -62,8 +74,16 @@ Options: our config (YAML/env/LMCache aliases, :func:`cluster.config.load_config
 ``kv_connector_extra_config`` (our field names; ``stats_path`` is connector-only). Per request,
 ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` with ``kvblend_load`` (False: load
 nothing, vLLM computes the prompt), ``kvblend_blend`` (False: no blending), ``kvblend_recompute_ratio``
-(float in [0, 1]), ``kvblend_store`` (False: store nothing). ``store_tokens_per_step`` (int, default
-:data:`STORE_TOKENS_PER_STEP`) bounds the store compute per engine step.
+(float in [0, 1]), ``kvblend_store`` (False: store nothing), ``kvblend_load_async`` (bool: this
+request's blend on the async path or not). Connector-only extra-config keys:
+``store_tokens_per_step`` (int, default :data:`STORE_TOKENS_PER_STEP`) bounds the store compute per
+engine step; ``load_async`` (bool, default True) and ``load_step_s`` (float seconds, default
+:data:`LOAD_STEP_S`) as above.
+
+Tensor parallelism (``tensor_parallel_size`` > 1): prefix reuse only (the vLLM adapter does
+not shard the model, so the connector does not blend; a warning says so); each rank stores and
+loads its own KV heads under its own namespace, and the scheduler's lookups go through
+:class:`AllRanksLookup` (a chunk hits only when every rank stored it).
 
 Client: :func:`make_client` — the Ray-sharded ``CacheClient`` when Ray and shards are reachable,
 else one ``LocalCacheClient`` shared by every connector of this process (scheduler and worker
@@ -112,14 +132,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvblend.connector")
 
 #: kv_connector_extra_config keys that are not config fields.
-CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step")
+CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step", "load_async", "load_step_s")
 #: per-request kv_transfer_params understood by the connector.
-REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store")
+REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store",
+                  "kvblend_load_async")
 _DEDUP_KEYS = 100_000
 #: default tokens of canonical-KV compute per engine step (bounds the stall of a decode step).
 STORE_TOKENS_PER_STEP = 512
 #: a store queued longer than this (seconds) is computed even in a step with prefill tokens.
 STORE_MAX_DEFER_S = 2.0
+#: default seconds of async blend work per engine step that also runs other requests.
+LOAD_STEP_S = 0.1
 
 _local_clients: dict[str, Any] = {}
 _local_lock = threading.Lock()
@@ -143,14 +166,47 @@ def make_client(config, namespace_digest: str, device: str = "cpu"):
     return client
 
 
-def settle(llm, max_steps: int = 100_000) -> int:
+class AllRanksLookup:
+    """The scheduler's view of the cache under tensor parallelism: each rank stores its own
+    KV heads under its own namespace, so a chunk counts as a hit only when every rank's copy
+    is stored (the same key in each of ``digests``). ``lookup`` ANDs over the ranks and
+    returns the first rank's metadata; everything else goes to ``client``.
+
+    Args:
+        client: the cache client (``lookup(keys) -> list[ChunkMeta | None]``).
+        digests: namespace digests of ranks ``0..tp_size-1``; the keys asked about are in
+            ``digests[0]``.
+    """
+
+    def __init__(self, client, digests: list[str]) -> None:
+        self.client = client
+        self.digests = list(digests)
+
+    def lookup(self, keys: list[ChunkKey]) -> list:
+        base = self.client.lookup(keys)
+        for digest in self.digests[1:]:
+            if not any(m is not None for m in base):
+                break
+            other = self.client.lookup([dataclasses.replace(k, namespace=digest) for k in keys])
+            base = [m if o is not None else None for m, o in zip(base, other, strict=True)]
+        return base
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+
+def settle(llm, max_steps: int = 100_000, flush_timeout_s: float = 120.0) -> int:
     """Step an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) until its
     scheduler holds no request, so the connector's queued stores are computed — what vLLM's
-    engine-core process does by itself after a request finishes. Returns the steps taken.
+    engine-core process does by itself after a request finishes — then wait for their puts
+    (the worker's I/O thread), so a following lookup sees the chunks. Returns the steps taken.
 
     Raises:
-        RuntimeError: requests are still held after ``max_steps`` steps.
+        RuntimeError: requests are still held after ``max_steps`` steps, or the puts did not
+            finish within ``flush_timeout_s``.
     """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     steps = 0
     while scheduler.has_requests() and steps < max_steps:
@@ -158,6 +214,9 @@ def settle(llm, max_steps: int = 100_000) -> int:
         steps += 1
     if scheduler.has_requests():
         raise RuntimeError(f"the engine still holds requests after {steps} steps")
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    if isinstance(worker, KVBlendConnector) and not worker.flush(timeout_s=flush_timeout_s):
+        raise RuntimeError(f"the connector's puts did not finish within {flush_timeout_s} s")
     return steps
 
 
@@ -181,6 +240,7 @@ class LoadSpec:
     plan: BlendPlan | None = None
     prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)
     token_ids: tuple[int, ...] = ()             # [0, load_end): for the full-prefill fallback
+    load_async: bool = False                    # vLLM's async-load path (see the module docstring)
 
 
 @dataclass
@@ -197,6 +257,7 @@ class KVBlendConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     has_prefill: bool = False   # this step computes prompt tokens (stores wait for a later step)
+    idle: bool = False          # nothing scheduled: async loads may run to the end in this step
 
 
 @dataclass
@@ -212,7 +273,21 @@ class _ReqState:
     store_prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     loaded: bool = False
+    load_async: bool = False    # the claim goes through vLLM's async-load path
     store_sent: bool = False    # canonical segments sent to the worker: hold blocks until stored
+
+
+@dataclass
+class _LoadRun:
+    """Worker side: one blend load in flight (async: advanced a slice per engine step)."""
+
+    spec: LoadSpec
+    record: dict[str, Any]
+    steps: Any                  # BlendEngine.blend_steps generator
+    on_layer: Any
+    start_s: float
+    num_engine_steps: int = 0   # engine steps it ran in
+    busy_steps: int = 0         # of those, steps that also ran other requests' forward
 
 
 @dataclass
@@ -341,6 +416,12 @@ class KVBlendConnector(KVConnectorBase_V1):
         if self.store_tokens_per_step < 1:
             raise ValueError(f"kv_connector_extra_config store_tokens_per_step="
                              f"{self.store_tokens_per_step}: must be >= 1")
+        self.load_async = extra.pop("load_async", True)
+        if not isinstance(self.load_async, bool):
+            raise ValueError(f"kv_connector_extra_config load_async={self.load_async!r}: must be true or false")
+        self.load_step_s = float(extra.pop("load_step_s", LOAD_STEP_S))
+        if not self.load_step_s > 0:
+            raise ValueError(f"kv_connector_extra_config load_step_s={self.load_step_s}: must be > 0 seconds")
         self.config = load_config(overrides=extra, overrides_origin="kv_connector_extra_config")
         log_effective(self.config)
         model_config = vllm_config.model_config
@@ -362,6 +443,15 @@ class KVBlendConnector(KVConnectorBase_V1):
         self.namespace_digest = self.namespace.digest()
         with all_cpus():  # Ray's threads must not inherit vLLM's one pinned core (cluster.affinity)
             self.client = make_client(self.config, self.namespace_digest) if self.enabled else None
+        self.tp_size = tp_size
+        if tp_size > 1 and self.client is not None and role == KVConnectorRole.SCHEDULER:
+            self.client = AllRanksLookup(self.client, [
+                namespace_for(self.model_path, self.kv_dtype, tp_rank=r, tp_size=tp_size).digest()
+                for r in range(tp_size)])
+        if tp_size > 1 and self.enabled and self.config.cluster.engine_type == "blend":
+            log.warning("kvblend: tensor_parallel_size=%d: blending needs 1 (the vLLM adapter does not "
+                        "shard the model yet); prefix reuse only, a chunk hits when every rank stored it",
+                        tp_size)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvblend: kv_load_failure_policy=%r: a request whose cached KV cannot be "
                         "produced even by our own prefill fails; set it to 'recompute'",
@@ -385,6 +475,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._store_done: set[str] = set()   # all segments computed, waiting for vLLM's finish
         self._finished_ids: set[str] = set()  # finished by vLLM while their store was pending
         self._invalid_block_ids: set[int] = set()
+        self._async_ready: list[str] = []    # scheduler: async claims allocated, not yet sent
+        self._loads: OrderedDict[str, _LoadRun] = OrderedDict()  # worker: async loads in flight
+        self._recv_done: set[str] = set()    # worker: async loads done (finished_recving)
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
@@ -464,9 +557,11 @@ class KVBlendConnector(KVConnectorBase_V1):
         claim_end = state.claim_end
         claim = max(0, claim_end - num_computed_tokens)
         state.claim_start = num_computed_tokens if claim else claim_end
+        state.load_async = bool(claim and state.plan is not None and state.plan.blend
+                                and self._request_params(request).get("kvblend_load_async", self.load_async))
         self._stats.write("claim", request_id=request.request_id, local_computed_tokens=num_computed_tokens,
-                          claimed_tokens=claim, claim_end=claim_end)
-        return claim, False
+                          claimed_tokens=claim, claim_end=claim_end, load_async=state.load_async)
+        return claim, state.load_async
 
     def _request_params(self, request: Request) -> dict[str, Any]:
         params = dict(getattr(request, "kv_transfer_params", None) or {})
@@ -504,7 +599,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         has_chunks = any(kind == CHUNK for kind, _, _ in spans)
         path = "none"
         load = bool(params.get("kvblend_load", True))
-        if has_chunks and self.config.cluster.engine_type == "blend":
+        if has_chunks and self.config.cluster.engine_type == "blend" and self.tp_size == 1:
             plan = make_plan(token_ids, spans, self.namespace_digest, self.client, blend_cfg)
             state.plan = plan
             if plan.blend and load:
@@ -567,6 +662,11 @@ class KVBlendConnector(KVConnectorBase_V1):
         state.block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else state.block_ids
         if num_external_tokens == 0:
             state.claim_start = state.claim_end  # nothing to load (vLLM has it, or no claim)
+            state.load_async = False
+        elif state.load_async:
+            # vLLM parks the request (WAITING_FOR_REMOTE_KVS): it is not in this step's
+            # scheduled requests, so build_connector_meta sends its load from here
+            self._async_ready.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVBlendConnectorMetadata()
@@ -587,6 +687,13 @@ class KVBlendConnector(KVConnectorBase_V1):
             n_sched = scheduler_output.num_scheduled_tokens.get(rid, 0)
             scheduled.append((rid, state.block_ids, cached.num_computed_tokens[i] + n_sched, resumed))
         meta.has_prefill = bool(scheduler_output.scheduled_new_reqs)
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        ready, self._async_ready = self._async_ready, []
+        for rid in ready:
+            state = self._requests.get(rid)
+            if state is not None and state.load_async and not state.loaded and state.claim_end > state.claim_start:
+                state.loaded = True
+                meta.loads.append(self._load_spec(rid, state, state.block_ids))
         for rid, block_ids, computed_after, fresh in scheduled:
             state = self._requests.get(rid)
             if state is None:
@@ -596,13 +703,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             state.block_ids = block_ids
             if fresh and not state.loaded and state.claim_end > state.claim_start:
                 state.loaded = True
-                slots = paged.slot_mapping_for(block_ids, self.block_size, state.claim_start, state.claim_end)
-                prefix = [(k, i * self.config.tiers.chunk_size, (i + 1) * self.config.tiers.chunk_size)
-                          for i, k in enumerate(state.prefix_hits)]
-                meta.loads.append(LoadSpec(rid, state.claim_start, state.claim_end, slots, block_ids,
-                                           self.block_size, plan=state.plan if state.plan and state.plan.blend else None,
-                                           prefix=prefix, token_ids=state.token_ids[:state.claim_end]))
-                self._bump(claimed_tokens=state.claim_end - state.claim_start)
+                meta.loads.append(self._load_spec(rid, state, block_ids))
             store = StoreSpec(rid)
             if state.store_segments:
                 store.segments, state.store_segments = state.store_segments, []
@@ -614,6 +715,15 @@ class KVBlendConnector(KVConnectorBase_V1):
             if store.segments or store.prefix:
                 meta.stores.append(store)
         return meta
+
+    def _load_spec(self, rid: str, state: _ReqState, block_ids: list[int]) -> LoadSpec:
+        slots = paged.slot_mapping_for(block_ids, self.block_size, state.claim_start, state.claim_end)
+        chunk = self.config.tiers.chunk_size
+        prefix = [(k, i * chunk, (i + 1) * chunk) for i, k in enumerate(state.prefix_hits)]
+        self._bump(claimed_tokens=state.claim_end - state.claim_start)
+        return LoadSpec(rid, state.claim_start, state.claim_end, slots, list(block_ids), self.block_size,
+                        plan=state.plan if state.plan and state.plan.blend else None, prefix=prefix,
+                        token_ids=state.token_ids[:state.claim_end], load_async=state.load_async)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks (``True``) of a request whose canonical segments were sent to the
@@ -636,12 +746,23 @@ class KVBlendConnector(KVConnectorBase_V1):
                 self._layout = paged.detect_layout(cache, current_platform.is_cpu())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads; advance the async ones (see the module docstring).
+
+        vLLM calls it before the forward when the step has synchronous loads, else after it."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBlendConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, KVBlendConnectorMetadata):
             return
         layers = getattr(forward_context, "no_compile_layers", {}) or {}
         for spec in meta.loads:
-            self._load_one(spec, layers)
+            run = self._begin_load(spec, layers)
+            if run is None:
+                continue
+            if spec.load_async:
+                self._loads[spec.request_id] = run
+            else:
+                self._advance(run, None)
+        if self._loads:
+            self._advance_async(meta.idle)
 
     def _write_layer(self, layers: dict, layer_idx: int, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``kv`` ``[2, T, H, D]`` of one layer at ``slots`` through the backend's own
@@ -656,7 +777,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         else:
             paged.scatter_kv(cache, self._layout, kv, slots)
 
-    def _load_one(self, spec: LoadSpec, layers: dict) -> None:
+    def _begin_load(self, spec: LoadSpec, layers: dict) -> _LoadRun | None:
+        """A blend load ready to step; a prefix load (or a load that cannot start) is done
+        here and then returns None."""
         start_s = time.perf_counter()
         start, end = spec.load_start, spec.load_end
 
@@ -667,51 +790,99 @@ class KVBlendConnector(KVConnectorBase_V1):
                 raise RuntimeError(f"non-finite KV in layer {layer_idx}")
             self._write_layer(layers, layer_idx, kv[:, start:end], spec.slot_mapping)
 
-        record: dict[str, Any] = {"request_id": spec.request_id, "load_start": start, "load_end": end}
+        record: dict[str, Any] = {"request_id": spec.request_id, "load_start": start, "load_end": end,
+                                  "load_async": spec.load_async}
+        run = _LoadRun(spec, record, None, on_layer, start_s)
         try:
-            engine = self._engine_for_worker()
-            if spec.plan is not None:
-                record["gpu_hit_segments"] = self._source.gpu_hits([seg.key for seg in spec.plan.hit_segments])
-                self._bump(gpu_hit_segments=record["gpu_hit_segments"])
-                with torch.inference_mode():
-                    result = engine.blend(spec.plan, want_logits=False, on_layer=on_layer)
-                c = result.counters
-                record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
-                              reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
-                              selected_tokens=c.selected_tokens,
-                              recomputed_tokens_per_layer=c.recomputed_tokens_per_layer,
-                              load_wait_s=c.load_wait_s, compute_s=c.compute_s,
-                              full_prefill_reason=c.full_prefill_reason,
-                              fallback=c.full_prefill_reason is not None)
-                self._bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,
-                           reused_tokens=c.reused_tokens, selected_tokens=c.selected_tokens,
-                           computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s)
-                if c.full_prefill_reason is not None:
-                    self._bump(fallbacks=1)
-            else:
+            if spec.plan is None:
                 self._load_prefix(spec, layers)
                 record.update(path="prefix", num_prefix_chunks=len(spec.prefix), fallback=False)
                 self._bump(prefix_requests=1)
+            else:
+                engine = self._engine_for_worker()
+                record["gpu_hit_segments"] = self._source.gpu_hits([seg.key for seg in spec.plan.hit_segments])
+                self._bump(gpu_hit_segments=record["gpu_hit_segments"])
+                run.steps = engine.blend_steps(spec.plan, want_logits=False, on_layer=on_layer)
+                return run
         except Exception as e:  # noqa: BLE001 - never fail the request for the cache's sake
-            self._warn_once("load", "kvblend: load of request %s failed (%s: %s); recomputing by "
-                            "full prefill", spec.request_id, type(e).__name__, e)
-            log.debug("kvblend load failure", exc_info=True)
+            self._load_failed(run, e)
+        self._end_load(run)
+        return None
+
+    def _advance(self, run: _LoadRun, deadline: float | None) -> bool:
+        """Step ``run``'s blend until it ends (True) or ``perf_counter()`` passes ``deadline``
+        (False; at least one layer). None: to the end."""
+        run.num_engine_steps += 1
+        try:
+            with torch.inference_mode():
+                while True:
+                    try:
+                        next(run.steps)
+                    except StopIteration as stop:
+                        self._blend_done(run, stop.value)
+                        break
+                    if deadline is not None and time.perf_counter() >= deadline:
+                        return False
+        except Exception as e:  # noqa: BLE001 - never fail the request for the cache's sake
+            run.steps.close()
+            self._load_failed(run, e)
+        self._end_load(run)
+        return True
+
+    def _advance_async(self, idle: bool) -> None:
+        """Oldest async load first, about ``load_step_s`` seconds (all of it when ``idle``)."""
+        deadline = None if idle else time.perf_counter() + self.load_step_s
+        while self._loads:
+            rid, run = next(iter(self._loads.items()))
+            run.busy_steps += not idle
+            if not self._advance(run, deadline):
+                return
+            del self._loads[rid]
+            self._recv_done.add(rid)
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+
+    def _blend_done(self, run: _LoadRun, result) -> None:
+        c = result.counters
+        run.record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
+                          reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
+                          selected_tokens=c.selected_tokens,
+                          recomputed_tokens_per_layer=c.recomputed_tokens_per_layer,
+                          load_wait_s=c.load_wait_s, compute_s=c.compute_s,
+                          full_prefill_reason=c.full_prefill_reason,
+                          fallback=c.full_prefill_reason is not None)
+        self._bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,
+                   reused_tokens=c.reused_tokens, selected_tokens=c.selected_tokens,
+                   computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s)
+        if c.full_prefill_reason is not None:
             self._bump(fallbacks=1)
-            record.update(fallback=True, error=f"{type(e).__name__}: {e}")
-            try:
-                with torch.inference_mode():
-                    self._engine_for_worker().prefill(list(spec.token_ids[:end]), want_logits=False,
-                                                      on_layer=on_layer)
-                record["recovered_by"] = "full_prefill"
-            except Exception as e2:  # noqa: BLE001
-                self._warn_once("load2", "kvblend: full prefill of request %s failed too (%s: %s); "
-                                "reporting its blocks to vLLM", spec.request_id, type(e2).__name__, e2)
-                self._bump(load_errors=1)
-                record["recovered_by"] = "vllm"
-                bs = spec.block_size
-                self._invalid_block_ids.update(spec.block_ids[t // bs] for t in range(start, end))
-        record["wall_s"] = time.perf_counter() - start_s
-        self._stats.write("load", **record)
+
+    def _load_failed(self, run: _LoadRun, e: Exception) -> None:
+        """Recompute the claimed KV by full prefill through the same adapter; if even that
+        fails, report the claimed blocks to vLLM (``get_block_ids_with_load_errors``)."""
+        spec, record = run.spec, run.record
+        self._warn_once("load", "kvblend: load of request %s failed (%s: %s); recomputing by "
+                        "full prefill", spec.request_id, type(e).__name__, e)
+        log.debug("kvblend load failure", exc_info=True)
+        self._bump(fallbacks=1)
+        record.update(fallback=True, error=f"{type(e).__name__}: {e}")
+        try:
+            with torch.inference_mode():
+                self._engine_for_worker().prefill(list(spec.token_ids[:spec.load_end]), want_logits=False,
+                                                  on_layer=run.on_layer)
+            record["recovered_by"] = "full_prefill"
+        except Exception as e2:  # noqa: BLE001
+            self._warn_once("load2", "kvblend: full prefill of request %s failed too (%s: %s); "
+                            "reporting its blocks to vLLM", spec.request_id, type(e2).__name__, e2)
+            self._bump(load_errors=1)
+            record["recovered_by"] = "vllm"
+            bs = spec.block_size
+            self._invalid_block_ids.update(spec.block_ids[t // bs] for t in range(spec.load_start, spec.load_end))
+
+    def _end_load(self, run: _LoadRun) -> None:
+        run.record.update(wall_s=time.perf_counter() - run.start_s, engine_steps=run.num_engine_steps,
+                          busy_steps=run.busy_steps)
+        self._stats.write("load", **run.record)
 
     def _load_prefix(self, spec: LoadSpec, layers: dict) -> None:
         """Exact prefix chunks: each layer of every chunk, written at its slots."""
@@ -725,7 +896,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             self._write_layer(layers, layer_idx, kv[:, spec.load_start:spec.load_end], spec.slot_mapping)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: complete when start_load_kv returns
+        return  # sync loads are complete when start_load_kv returns; async ones are reported
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # stores run after the step (wait_for_save)
@@ -743,7 +914,10 @@ class KVBlendConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVBlendConnectorMetadata):
             return
-        self._drain_store_queue(meta.has_prefill, self.store_tokens_per_step)
+        # a step that computes a prompt, or whose async loads a request waits for, computes no
+        # stores (unless they waited STORE_MAX_DEFER_S): they would delay a first token
+        busy = meta.has_prefill or bool(self._loads) or bool(self._recv_done)
+        self._drain_store_queue(busy, self.store_tokens_per_step)
         now = time.monotonic()
         for spec in meta.stores:
             if spec.prefix:
@@ -765,7 +939,7 @@ class KVBlendConnector(KVConnectorBase_V1):
     def _drain_store_queue(self, has_prefill: bool, budget_tokens: int | None) -> None:
         """Compute queued canonical segments, oldest request first, about ``budget_tokens``
         tokens (at least one segment; ``None``: everything). In a step with prefill tokens
-        only work older than :data:`STORE_MAX_DEFER_S` runs."""
+        (or async loads) only work older than :data:`STORE_MAX_DEFER_S` runs."""
         if not self._store_queue:
             return
         oldest = next(iter(self._store_queue.values()))
@@ -856,13 +1030,22 @@ class KVBlendConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``finished_sending``: requests whose blocks ``request_finished`` held and whose
-        canonical segments are all computed (their puts continue on the I/O thread)."""
+        canonical segments are all computed (their puts continue on the I/O thread).
+        ``finished_recving``: async loads done, or abandoned because vLLM finished (aborted)
+        the request meanwhile."""
+        for rid in set(finished_req_ids) & set(self._loads):
+            run = self._loads.pop(rid)
+            run.steps.close()
+            run.record.update(aborted=True)
+            self._end_load(run)
+            self._recv_done.add(rid)
         held = set(self._store_queue) | self._store_done
         self._finished_ids |= set(finished_req_ids) & held
         done = {r for r in self._finished_ids if r in self._store_done}
         self._finished_ids -= done
         self._store_done -= done
-        return (done or None), None
+        recving, self._recv_done = self._recv_done, set()
+        return (done or None), (recving or None)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Compute every queued store and wait for the puts. Call it only where vLLM is not
@@ -881,6 +1064,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self):
+        for run in self._loads.values():
+            run.steps.close()
+        self._loads.clear()
         try:
             self.flush(timeout_s=30.0)
         finally:

@@ -284,3 +284,67 @@ def test_layer_l_plus_1_is_requested_before_layer_l_is_computed(make_setup):
     assert model.waited and all(model.waited)
     assert_close(res.logits, engine.blend(plan_for(ids, spans, client, ratio=0.15)).logits, rtol=0, atol=0)
     assert not called[0].is_set()  # layers below the check layer never touch the cache
+
+
+def _step_all(steps, between=None):
+    """Drive a ``blend_steps`` generator to its end; ``between()`` after every step.
+    Returns (the layer indices it yielded, its result)."""
+    layers = []
+    with torch.no_grad():
+        while True:
+            try:
+                layers.append(next(steps))
+            except StopIteration as stop:
+                return layers, stop.value
+            if between is not None:
+                between()
+
+
+def test_blend_steps_interleaved_equals_blend(make_setup):
+    """vLLM's async-load path slices a blend across engine steps: stepped one layer at a time,
+    with other model work (a chunk's prefill, as the connector's stores) between the steps,
+    the result is bit for bit the one-call blend's."""
+    from blend.engine import run_steps
+
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], [chunks[1], chunks[2], chunks[0]], [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    whole = engine.blend(plan)
+    # other model work (a chunk's prefill) between the steps
+    layers, stepped = _step_all(engine.blend_steps(plan), lambda: engine.prefill(chunks[0], want_logits=False))
+    assert layers == list(range(engine.spec.num_layers))
+    assert stepped.counters.full_prefill_reason is None and stepped.counters.selected_tokens > 0
+    assert stepped.counters.recomputed_tokens_per_layer == whole.counters.recomputed_tokens_per_layer
+    for got, want in zip(stepped.kv, whole.kv, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(stepped.logits, whole.logits)
+    assert torch.equal(run_steps(engine.blend_steps(plan)).logits, whole.logits)
+
+
+def test_blend_steps_closed_midway_cancels_and_engine_stays_usable(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    whole = engine.blend(plan)
+    steps = engine.blend_steps(plan)
+    with torch.no_grad():
+        assert [next(steps), next(steps), next(steps)] == [0, 1, 2]
+    steps.close()  # abandoned (the request was aborted)
+    with pytest.raises(StopIteration):
+        next(steps)
+    assert torch.equal(engine.blend(plan).logits, whole.logits)
+
+
+def test_blend_steps_falls_back_midway(make_setup):
+    """A chunk gone between two steps: full prefill, its layers stepped from 0 again."""
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    steps = engine.blend_steps(plan)
+    with torch.no_grad():
+        first = next(steps)
+    client.delete([plan.hit_segments[0].key])
+    rest, res = _step_all(steps)
+    assert first == 0 and "could not be read" in res.counters.full_prefill_reason
+    assert rest[-engine.spec.num_layers:] == list(range(engine.spec.num_layers))
+    assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)

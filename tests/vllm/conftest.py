@@ -52,7 +52,8 @@ def blend_stats_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def blend_llm(smollm2_path, blend_stats_path):
     """float32 engine, in this process, with the connector; vLLM prefix caching off (so every
-    repeat goes through the connector); default recompute ratio 1.0 (per-request overrides)."""
+    repeat goes through the connector); default recompute ratio 1.0 (per-request overrides);
+    the connector's defaults otherwise (blends on vLLM's async-load path)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -65,6 +66,7 @@ def blend_llm(smollm2_path, blend_stats_path):
                                    "min_tokens": 32, "chunk_size": 64, "ray_address": NO_RAY,
                                    "gpu_size_gib": 0.25})
     llm = LLM(smollm2_path, dtype="float32", enforce_eager=True, max_model_len=4096,
+              max_num_batched_tokens=1024,  # long prompts take chunked prefill (test_interplay)
               enable_prefix_caching=False, kv_transfer_config=ktc, seed=0)
     yield llm
     del llm
