@@ -8,9 +8,11 @@ budget and ``enforce_eager``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
+import uuid
 
 import pytest
 
@@ -109,3 +111,27 @@ def wait_stored(stats_path: str, request_id: str, timeout_s: float = 120.0) -> d
             return got[-1]
         time.sleep(0.1)
     raise AssertionError(f"no store event for request {request_id} within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def one_node_ray_cache(root, **overrides):
+    """A one-node Ray cluster (small object store) with kvblend shards, this process connected.
+    Yields ``(config overrides, shard names)``; ``overrides`` replace the defaults here."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from cluster.config import load_config
+    from cluster.shard import start_shards
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"kvblend_shard": 1}, "object_store_memory": 300 * 2**20,
+        "include_dashboard": False})
+    config = {"ray_address": cluster.address, "ray_namespace": f"kvblend-vllm-{uuid.uuid4().hex[:6]}",
+              "cache_dir": str(root), "disk_path": str(root / "disk"), "host_size_gib": 0.1,
+              "disk_size_gib": 0.5, "call_timeout_s": 10.0, **overrides}
+    ray.init(address=cluster.address, namespace="kvblend-vllm-test", log_to_driver=False)
+    try:
+        yield config, start_shards(load_config(environ={}, overrides=config))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -10,13 +10,12 @@ layer read kills the shard (and, in the second test, Redis too) before reading.
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 
 from blend.segments import build_blend_prompt
 from tests.services import redis_server  # noqa: F401  (fixture)
-from tests.vllm.conftest import events, generate, passage, wait_stored
+from tests.vllm.conftest import events, generate, one_node_ray_cache, passage, wait_stored
 from tests.vllm.test_connector import FULL, SYSTEM, _assert_matches_full
 
 pytestmark = pytest.mark.slow
@@ -25,27 +24,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ray_redis_cache(redis_server, tmp_path_factory):  # noqa: F811
     """``(config, shard name)``: a one-node Ray cluster with one shard over Redis."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     from cluster.config import load_config
-    from cluster.shard import start_shards
 
-    root = tmp_path_factory.mktemp("raycache_faults")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"kvblend_shard": 1}, "object_store_memory": 300 * 2**20,
-        "include_dashboard": False})
-    config = load_config(environ={}, overrides={
-        "ray_address": cluster.address, "ray_namespace": f"kvblend-faults-{uuid.uuid4().hex[:6]}",
-        "cache_dir": str(root), "disk_size_gib": 0, "host_size_gib": 0.1,
-        "redis_url": redis_server.url, "call_timeout_s": 3.0})
-    ray.init(address=cluster.address, namespace="kvblend-vllm-faults", log_to_driver=False)
-    try:
-        (name,) = start_shards(config)
-        yield config, name
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with one_node_ray_cache(tmp_path_factory.mktemp("raycache_faults"), disk_size_gib=0,
+                            redis_url=redis_server.url, call_timeout_s=3.0) as (overrides, names):
+        (name,) = names
+        yield load_config(environ={}, overrides=overrides), name
 
 
 def _use_client(llm, client, monkeypatch) -> None:

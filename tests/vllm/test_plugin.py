@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.vllm.conftest import events
+from tests.vllm.conftest import events, one_node_ray_cache
 
 pytestmark = pytest.mark.slow
 
@@ -58,29 +58,8 @@ def test_repeat_is_served_by_vllm_prefix_cache(plugin_run):
 @pytest.fixture(scope="module")
 def ray_cache(tmp_path_factory):
     """A one-node Ray cluster with kvblend shards (small object store); config overrides."""
-    import uuid
-
-    from ray.cluster_utils import Cluster
-
-    from cluster.config import load_config
-    from cluster.shard import start_shards
-
-    root = tmp_path_factory.mktemp("raycache")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"kvblend_shard": 1}, "object_store_memory": 300 * 2**20,
-        "include_dashboard": False})
-    overrides = {"ray_address": cluster.address, "ray_namespace": f"kvblend-vllm-{uuid.uuid4().hex[:6]}",
-                 "cache_dir": str(root), "disk_path": str(root / "disk"), "host_size_gib": 0.1,
-                 "disk_size_gib": 0.5, "call_timeout_s": 10.0}
-    import ray
-
-    ray.init(address=cluster.address, namespace="kvblend-vllm-test", log_to_driver=False)
-    try:
-        start_shards(load_config(environ={}, overrides=overrides))
+    with one_node_ray_cache(tmp_path_factory.mktemp("raycache")) as (overrides, _):
         yield overrides
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_ray_cache_shared_by_scheduler_and_worker_processes(smollm2_path, tmp_path_factory, ray_cache):
