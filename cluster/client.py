@@ -111,7 +111,9 @@ class CacheClient:
         self._refreshed_at = 0.0
         self._suspect: dict[str, float] = {}
         self._meta: OrderedDict[ChunkKey, _Entry] = OrderedDict()
-        self._objects: OrderedDict[ChunkKey, np.ndarray] = OrderedDict()
+        # key -> (mapped object, its own header): a tier may re-encode a chunk (lz4 below
+        # memory), so offsets come from the object's header, not the one a lookup returned
+        self._objects: OrderedDict[ChunkKey, tuple[np.ndarray, ChunkHeader]] = OrderedDict()
         self.max_mapped_bytes = int(max_mapped_bytes)
         self._pending: dict[object, tuple[str, ChunkKey]] = {}
         self._pending_keys: set[ChunkKey] = set()
@@ -272,8 +274,9 @@ class CacheClient:
 
     def _remember(self, key: ChunkKey, entry: _Entry) -> None:
         # A cached object stays valid: keys are content-addressed and objects first-wins,
-        # so the bytes under a key never change (a chunk deleted by another process may
-        # still be served from here until evicted: the same, correct KV).
+        # so the KV under a key never changes (its encoding may: see _own_header). A chunk
+        # deleted by another process may still be served from here until evicted: the same,
+        # correct KV.
         with self._lock:
             self._meta[key] = entry
             self._meta.move_to_end(key)
@@ -344,28 +347,49 @@ class CacheClient:
                         self._count("shard_errors")
                         entries[i].ref = None
                         got.append(None)
+            for j, (i, arr) in enumerate(zip(fetch, got, strict=True)):
+                entries[i].ref = None  # the array holds the object; refs are not kept
+                got[j] = None if arr is None else self._own_header(keys[i], entries[i].header, arr)
             with self._lock:
-                for i, arr in zip(fetch, got, strict=True):
-                    if arr is None:
-                        continue
-                    arrays[i] = arr
-                    self._objects[keys[i]] = arr
-                    entries[i].ref = None  # the array holds the object; refs are not kept
-                mapped = sum(a.nbytes for a in self._objects.values())
+                for i, m in zip(fetch, got, strict=True):
+                    if m is not None:
+                        arrays[i] = m
+                        self._objects[keys[i]] = m
+                mapped = sum(a.nbytes for a, _ in self._objects.values())
                 while mapped > self.max_mapped_bytes and self._objects:
-                    mapped -= self._objects.popitem(last=False)[1].nbytes
+                    mapped -= self._objects.popitem(last=False)[1][0].nbytes
         # 3. slice, check and copy each layer; shared tiers for the rest
         out: list[torch.Tensor | None] = []
         for k, e, a in zip(keys, entries, arrays, strict=True):
             t = None
             if e is not None and layer_idx < e.header.num_layers:
                 if a is not None:
-                    t = self._slice(k, e.header, a, layer_idx)
+                    t = self._slice(k, a[1], a[0], layer_idx)
                 elif self._shared_tiers():
                     t = self._direct_layer(k, e.header, layer_idx)
             self._count("layer_reads" if t is not None else "layer_misses")
             out.append(t)
         return out
+
+    def _own_header(self, key: ChunkKey, looked_up: ChunkHeader,
+                    arr: np.ndarray) -> tuple[np.ndarray, ChunkHeader] | None:
+        """``(arr, the header inside arr)``, or None (counted) when it is not the chunk the
+        lookup described. The bytes of a chunk differ between tiers (a shard restarted after
+        its host copy died promotes the lz4-compressed Redis/S3 copy), so layers are sliced
+        with the mapped object's own offsets."""
+        try:
+            own = parse_header(memoryview(arr), expected_key=key)
+        except FormatError as err:
+            log.debug("object of %s rejected: %s", key, err)
+            self._count("read_errors")
+            return None
+        if (own.dtype, own.num_layers, own.num_tokens, own.num_kv_heads, own.head_dim, own.positions) != (
+                looked_up.dtype, looked_up.num_layers, looked_up.num_tokens, looked_up.num_kv_heads,
+                looked_up.head_dim, looked_up.positions):
+            log.debug("object of %s does not match its looked-up header", key)
+            self._count("read_errors")
+            return None
+        return arr, own
 
     def _slice(self, key: ChunkKey, header: ChunkHeader, arr: np.ndarray, layer_idx: int):
         e = header.layers[layer_idx]

@@ -86,7 +86,7 @@ def test_mapped_objects_are_bounded_by_bytes(kvconfig, shards):
     for k, kv in zip(keys, kvs, strict=True):
         writer.put(k, kv)
     assert writer.flush(30)
-    one = len(writer.fetch_layer(keys[:1], 0).result(30)) and writer._objects[keys[0]].nbytes
+    one = len(writer.fetch_layer(keys[:1], 0).result(30)) and writer._objects[keys[0]][0].nbytes
     reader = CacheClient(kvconfig, NS, max_mapped_bytes=3 * one)
     for layer in range(4):
         got = reader.fetch_layer(keys, layer).result(30)

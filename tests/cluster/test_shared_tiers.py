@@ -32,6 +32,43 @@ def redis_setup(ray_cluster, tmp_path_factory):
         stop_shards(cfg.cluster.ray_namespace)
 
 
+def test_chunk_re_encoded_below_memory_is_sliced_with_its_own_header(redis_setup):
+    """A reader looks a chunk up while its owner holds it raw in host memory, then the host
+    copy is evicted: the owner promotes Redis's lz4 copy, whose layer offsets and checksums
+    differ from the header the lookup returned. The reader slices the object it maps with
+    that object's own header (every layer bit-exact, no read error, no direct read). Seen
+    through vLLM: a restarted shard's objects failed every layer's checksum."""
+    from cluster.client import CacheClient
+
+    cfg, _, _ = redis_setup
+    client = CacheClient(cfg, NS)
+    key = make_key(8000)
+    g = torch.Generator().manual_seed(8000)  # small integers: lz4 shrinks every layer
+    kv = torch.randint(0, 4, (4, 2, 256, 2, 8), generator=g).to(torch.bfloat16)
+    client.put(key, kv)
+    assert client.flush(60)
+    reader = CacheClient(cfg, NS)
+    assert reader.lookup([key])[0].tier == "host"
+    header = reader._meta[key].header
+    assert all(e.codec == 0 for e in header.layers)
+
+    owner = reader._meta[key].shard
+    fillers = [k for k in (make_key(8100 + j) for j in range(400))
+               if reader._placement.owner(str(k)) == owner][:12]
+    for i, k in enumerate(fillers):  # 12 x 512 KiB of random KV through a 4 MiB host tier
+        client.put(k, make_kv(8100 + i, num_tokens=2048))
+    assert client.flush(60)
+    assert CacheClient(cfg, NS).lookup([key])[0].tier == "redis"  # and the owner promotes it
+
+    got = [reader.fetch_layer([key], layer).result(60)[0] for layer in range(4)]
+    assert all(g is not None and torch.equal(g, kv[i]) for i, g in enumerate(got))
+    mapped_header = reader._objects[key][1]
+    assert any(e.codec == 1 for e in mapped_header.layers)  # the lz4 copy was mapped
+    assert reader.counters["read_errors"] == 0 and reader.counters["direct_reads"] == 0
+    reader.close()
+    client.close()
+
+
 def test_dead_owner_is_served_from_redis_and_redis_down_is_a_miss(redis_setup):
     from cluster.client import CacheClient
 

@@ -120,7 +120,7 @@ def test_shard_killed_during_a_load_reads_redis(blend_llm, blend_stats_path, tok
     config, shard = ray_redis_cache
     out, load, fallbacks, ids = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config, shard,
                                                    monkeypatch, 1500)
-    assert load["num_hit_segments"] == 3 and not load["fallback"] and fallbacks == 0
+    assert load["num_hit_segments"] == 3 and not load["fallback"] and fallbacks == 0, load
     _assert_matches_full(out, generate(blend_llm, ids, FULL))
 
 
