@@ -232,11 +232,17 @@ class TierStack:
             pinned = pin([key])[0] if pin is not None else False
             try:
                 local = ReadCounters()
-                header = self._cached_header(tier, key)
-                if header is None:
-                    header = read_header(tier, key, local)
-                got = None if header is None else read_layers(
-                    tier, key, layer_idxs, outs, header=header, counters=local)
+                cached = self._cached_header(tier, key)
+                got = None if cached is None else read_layers(
+                    tier, key, layer_idxs, outs, header=cached, counters=local)
+                if got is None:
+                    # no cached header, or a stale one: the object under a key may have been
+                    # re-encoded (evicted, then written again by a process with another
+                    # compression setting), which is not corruption
+                    fresh = read_header(tier, key, ReadCounters() if cached is not None else local)
+                    if fresh is not None and fresh != cached:
+                        local = ReadCounters()
+                        got = read_layers(tier, key, layer_idxs, outs, header=fresh, counters=local)
             finally:
                 if pinned:
                     tier.unpin([key])

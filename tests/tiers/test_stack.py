@@ -90,6 +90,27 @@ def test_corrupt_lower_copy_is_deleted_and_read_falls_through(stack3):
     assert stack.stats()["stack"]["misses"] == 1
 
 
+def test_re_encoded_object_is_read_with_its_new_header_not_deleted(make_tier):
+    """A header the stack cached goes stale when the object under the key is replaced by
+    another encoding of the same KV (evicted, then written by a process that compresses
+    differently): the read uses the object's new header; nothing is counted corrupt or deleted."""
+    disk = make_tier("disk")
+    stack = TierStack([disk])
+    key = make_key(1)
+    kv = make_kv(compressible=True)
+    disk.put(key, make_object(key, kv, compress=True))
+    outs = layer_buffers(kv)
+    assert {e.codec for e in stack.read_layers(key, range(3), outs).layers} == {CODEC_LZ4}
+    disk.delete([key])
+    disk.put(key, make_object(key, kv))                    # raw this time: other offsets
+    outs = layer_buffers(kv)
+    header = stack.read_layers(key, range(3), outs)
+    assert header is not None and {e.codec for e in header.layers} == {0}
+    assert all(as_layer(o, kv[i]).equal(kv[i]) for i, o in enumerate(outs))
+    assert stack.stats()["stack"]["corrupt_deleted"] == 0 and disk.contains([key]) == [True]
+    stack.close()
+
+
 def test_chunk_is_pinned_during_a_read(make_tier):
     host = HostTier(10_000)
     key = make_key(1)
