@@ -233,16 +233,24 @@ class TierStack:
             try:
                 local = ReadCounters()
                 cached = self._cached_header(tier, key)
-                got = None if cached is None else read_layers(
-                    tier, key, layer_idxs, outs, header=cached, counters=local)
-                if got is None:
-                    # no cached header, or a stale one: the object under a key may have been
-                    # re-encoded (evicted, then written again by a process with another
-                    # compression setting), which is not corruption
-                    fresh = read_header(tier, key, ReadCounters() if cached is not None else local)
-                    if fresh is not None and fresh != cached:
-                        local = ReadCounters()
-                        got = read_layers(tier, key, layer_idxs, outs, header=fresh, counters=local)
+                if cached is None:
+                    header = read_header(tier, key, local)
+                    got = None if header is None else read_layers(
+                        tier, key, layer_idxs, outs, header=header, counters=local)
+                else:
+                    got = read_layers(tier, key, layer_idxs, outs, header=cached, counters=local)
+                    if got is None and local.snapshot()["corrupt"]:
+                        # A stale cached header fails the checks too: the object under a key
+                        # may have been re-encoded (evicted, then written again by a process
+                        # with another compression setting). Corrupt only if its header is
+                        # unchanged (or itself corrupt); a header that cannot be read now is
+                        # a miss, never a reason to delete.
+                        first, local = local, ReadCounters()
+                        fresh = read_header(tier, key, local)
+                        if fresh == cached:
+                            local = first
+                        elif fresh is not None:
+                            got = read_layers(tier, key, layer_idxs, outs, header=fresh, counters=local)
             finally:
                 if pinned:
                     tier.unpin([key])

@@ -249,6 +249,9 @@ class StagedSource:
             jobs = [self._io.submit(self._read_chunk, k, h, layer_idx, raw[o:o + h.layer_nbytes])
                     if h is not None else None for k, h, o in zip(keys, headers, offsets, strict=False)]
             ok = [j is not None and j.result() for j in jobs]
+        for k, h, good in zip(keys, headers, ok, strict=False):
+            if h is not None and not good:  # a stale header (object re-encoded) must not stick
+                self._headers.pop(k, None)
         return _Staged(slot, offsets, [h if good else None for h, good in zip(headers, ok, strict=False)], total)
 
     def _read_memory(self, keys, headers, layer_idx: int, slot: torch.Tensor, offsets: list[int]) -> list[bool]:

@@ -67,12 +67,13 @@ def make_plan(chunks: list[list[int]], ratio: float, *, prefix=(1, 2, 3), query=
                      blend_end=len(ids))
 
 
-def encode(key, kv: torch.Tensor) -> bytes:
-    """Chunk object of ``kv`` ``[L, 2, T, H, D]``."""
+def encode(key, kv: torch.Tensor, compress: bool = False) -> bytes:
+    """Chunk object of ``kv`` ``[L, 2, T, H, D]`` (lz4 layers where they shrink with ``compress``)."""
     host = kv.detach().cpu().contiguous()
     raw = host.view(torch.uint8).view(host.shape[0], -1).numpy()
     return encode_chunk(key, [raw[i] for i in range(host.shape[0])], dtype=str(host.dtype).removeprefix("torch."),
-                        num_tokens=host.shape[2], num_kv_heads=host.shape[3], head_dim=host.shape[4])
+                        num_tokens=host.shape[2], num_kv_heads=host.shape[3], head_dim=host.shape[4],
+                        compress=compress)
 
 
 def fill_tiers(engine, chunks, tiers_with_objects=(), gpu_tiers=()):

@@ -158,6 +158,26 @@ def test_staged_source_corrupt_or_missing_is_none(tmp_path):
     src.close()
 
 
+def test_staged_source_drops_a_header_that_went_stale(tmp_path):
+    """The object under a key is re-encoded (raw -> lz4: other offsets and checksums) after
+    its header was cached: that read is a miss, the header is dropped, and the next reads are
+    bit-exact again (the stale header does not stick)."""
+    g = torch.Generator().manual_seed(3)
+    key = segment_key(NAMESPACE, [7, 8])
+    kv = torch.randint(-2, 3, (3, 2, 64, 2, 8), generator=g).to(torch.bfloat16)  # lz4 shrinks it
+    disk = DiskTier(str(tmp_path), 1 << 26, fsync=False)
+    disk.put(key, encode(key, kv))
+    src = StagedSource(disk, "cpu", read_ahead=0)
+    assert src.lookup([key])[0] is not None
+    assert torch.equal(src.fetch_layer([key], 0).result()[0], kv[0])
+    disk.delete([key])
+    disk.put(key, encode(key, kv, compress=True))
+    assert src.fetch_layer([key], 1).result()[0] is None   # read with the cached raw header
+    for layer in (2, 0, 1):
+        assert torch.equal(src.fetch_layer([key], layer).result()[0], kv[layer]), layer
+    src.close()
+
+
 @pytest.mark.parametrize("ratio", [1.0, 0.3])
 def test_engine_with_ops_over_staged_host_tier(monkeypatch, ratio):
     """The proposed integration on CPU: ops.attend in the engine, ops re-rotation, KV staged
