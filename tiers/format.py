@@ -17,6 +17,12 @@ payload, checked before decompressing. Offsets count from the start of the objec
 reader fetches the prefix and header (:data:`HEADER_PROBE_BYTES` covers them for models up to
 hundreds of layers) and then exactly the layers it needs.
 
+One chunk has several encodings: raw in memory tiers, lz4 below memory, and a copy written
+again (evicted, then re-put by a process with another ``compression``) may differ from the
+one it replaced. The KV is the same; offsets and checksums are not. A reader slices an object
+only with the header of that same object (a cached header that fails its checksums is
+re-read, not taken for corruption).
+
 Never pickle. Anything truncated, corrupted, of another version or of another namespace is
 reported as :class:`FormatError` by the parsers here and turned into a miss (plus a counter)
 by :func:`read_layers`; callers never see an exception or wrong bytes from a bad object.
