@@ -390,9 +390,8 @@ class CacheClient:
             log.debug("object of %s rejected: %s", key, err)
             self._count("read_errors")
             return None
-        if (own.dtype, own.num_layers, own.num_tokens, own.num_kv_heads, own.head_dim, own.positions) != (
-                looked_up.dtype, looked_up.num_layers, looked_up.num_tokens, looked_up.num_kv_heads,
-                looked_up.head_dim, looked_up.positions):
+        if (own.dtype, own.num_layers, own.layer_shape, own.positions) != (
+                looked_up.dtype, looked_up.num_layers, looked_up.layer_shape, looked_up.positions):
             log.debug("object of %s does not match its looked-up header", key)
             self._count("read_errors")
             return None

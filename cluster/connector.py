@@ -688,8 +688,8 @@ class KVBlendConnector(KVConnectorBase_V1):
             scheduled.append((rid, state.block_ids, cached.num_computed_tokens[i] + n_sched, resumed))
         meta.has_prefill = bool(scheduler_output.scheduled_new_reqs)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
-        ready, self._async_ready = self._async_ready, []
-        for rid in ready:
+        async_ready, self._async_ready = self._async_ready, []
+        for rid in async_ready:
             state = self._requests.get(rid)
             if state is not None and state.load_async and not state.loaded and state.claim_end > state.claim_start:
                 state.loaded = True
