@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from blend.config import BlendConfig
+from cluster import env as envmod
 from tiers.config import TiersConfig, _f, check_fields
 
 log = logging.getLogger("kvblend.config")
@@ -208,8 +209,6 @@ def load_config(
         ValueError: unknown key, malformed value or value out of range; the message names
             the key or variable, the value and what is allowed.
     """
-    from cluster import env as envmod
-
     environ = envmod.snapshot() if environ is None else environ
     values: dict[str, Any] = {}
     sources: dict[str, str] = {name: "default" for name in FIELD_SECTION}
@@ -220,7 +219,7 @@ def load_config(
             values[name] = value
             sources[name] = f"file {path}"
 
-    for name, value, origin in envmod.config_values(environ):
+    for name, value, origin in envmod.config_values(environ, FIELD_SECTION):
         if name in FIELD_SECTION:
             values[name] = parse_value(name, value, origin)
             sources[name] = f"env {origin}"

@@ -12,7 +12,7 @@ Registry:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 PREFIX = "KVBLEND_"
 LMCACHE_PREFIX = "LMCACHE_"
@@ -24,27 +24,26 @@ def snapshot() -> dict[str, str]:
     return dict(os.environ)
 
 
-def config_values(environ: dict[str, str]) -> Iterator[tuple[str, str, str]]:
+def config_values(environ: dict[str, str], fields: Collection[str]) -> Iterator[tuple[str, str, str]]:
     """Yield (name, raw value, variable) for every kvblend/LMCache config variable.
 
     ``name`` is our field name for ``KVBLEND_*`` (unknown ones raise) and LMCache's key for
-    ``LMCACHE_*`` (mapped by :mod:`cluster.config`).
+    ``LMCACHE_*`` (mapped by :mod:`cluster.config`). ``fields`` are the config's field names
+    (:data:`cluster.config.FIELD_SECTION`, passed in so this module imports no config).
 
     Raises:
         ValueError: a ``KVBLEND_*`` variable that names no config field.
     """
-    from cluster.config import FIELD_SECTION
-
     for var in sorted(environ):
         if var in _NOT_FIELDS:
             continue
         if var.startswith(PREFIX):
             name = var[len(PREFIX):].lower()
-            if name not in FIELD_SECTION:
+            if name not in fields:
                 if name in _INTERNAL:
                     continue
                 raise ValueError(f"unknown environment variable {var}: no config field {name!r}; known: "
-                                 + ", ".join(PREFIX + n.upper() for n in sorted(FIELD_SECTION)))
+                                 + ", ".join(PREFIX + n.upper() for n in sorted(fields)))
             yield name, environ[var], var
         elif var.startswith(LMCACHE_PREFIX):
             yield var[len(LMCACHE_PREFIX):].lower(), environ[var], var

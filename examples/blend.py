@@ -16,9 +16,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
-from cluster.events import read_stats, wait_for_stores  # noqa: E402
-from cluster.model import resolve_model  # noqa: E402
-from cluster.qa import load_examples, resolve_dataset  # noqa: E402
+from cluster.vllm.events import read_stats, wait_for_stores  # noqa: E402
+from cluster.workloads.model import resolve_model  # noqa: E402
+from cluster.workloads.qa import load_examples, resolve_dataset  # noqa: E402
 
 SEP = "\n# #\n"  # kvblend's default separator
 

@@ -13,7 +13,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Chunks a test stores without Ray go to the machine-local disk cache (cluster.client_api.
+# Chunks a test stores without Ray go to the machine-local disk cache (cluster.cache.local.
 # local_client) under disk_path: keep each test session's in a fresh directory, never in the
 # user's ~/.cache/kvblend, so no run sees another run's chunks.
 os.environ.setdefault("KVBLEND_DISK_PATH", tempfile.mkdtemp(prefix="kvblend-test-disk-"))
@@ -48,6 +48,6 @@ def pytest_collection_modifyitems(config, items):
 def smollm2_path() -> str:
     """HF folder of the bundled SmolLM2-135M-Instruct (prepared once, cached)."""
     from cluster.config import cache_dir, load_config
-    from cluster.model import resolve_model
+    from cluster.workloads.model import resolve_model
 
     return resolve_model("smollm2", cache_dir(load_config(environ={})))

@@ -3,7 +3,7 @@
 Import them into a test package's ``conftest.py`` (``from services import *`` works because
 ``tests/`` is on ``sys.path`` once ``tests/conftest.py`` is loaded):
 
-* ``redis_server`` — a :class:`cluster.services.RedisProcess` (``.url``, ``.kill()``,
+* ``redis_server`` — a :class:`cluster.workloads.services.RedisProcess` (``.url``, ``.kill()``,
   ``.restart()``); ``redis_url`` — its URL.
 * ``s3_endpoint`` — ``(endpoint_url, bucket)`` of a moto S3 server.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.services import start_redis_process, start_s3
+from cluster.workloads.services import start_redis_process, start_s3
 
 __all__ = ["redis_server", "redis_url", "s3_endpoint"]
 

@@ -23,12 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
+from tiers.codec import TORCH_DTYPES
 from tiers.eviction import EvictionIndex
 from tiers.keys import ChunkKey
 from tiers.reader import ReadCounters, read_header, read_layers
 from tiers.tier import Tier
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _COUNTERS = ("hits", "misses", "errors", "puts", "evictions", "bytes_read", "bytes_written")
 
 

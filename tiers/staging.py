@@ -40,8 +40,9 @@ import numpy as np
 import torch
 import xxhash
 
+from tiers.codec import TORCH_DTYPES
 from tiers.format import CODEC_RAW, ChunkHeader, FormatError, decode_layer
-from tiers.gpu import TORCH_DTYPES, GpuTier
+from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
 from tiers.reader import ReadCounters, read_header, read_layers
 

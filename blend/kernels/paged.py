@@ -13,7 +13,7 @@ side, so one launch moves a whole request's KV::
     gather:  out[0, t] = K[slot[t] // B, slot[t] % B];  out[1, t] = V[...]      out: [2, T, H, D]
     scatter: K[slot[t] // B, slot[t] % B] = kv[0, t];   V[...] = kv[1, t]
 
-(``cluster.paged`` holds the same arithmetic for vLLM's other layouts; imports go
+(``cluster.vllm.paged`` holds the same arithmetic for vLLM's other layouts; imports go
 ``cluster -> blend``, so the references here are self-contained.)
 """
 

@@ -3,7 +3,7 @@
 Per example (rows of ../shared/data/qa/, MuSiQue by default, the first N):
 
 1. every passage's canonical KV (the passage alone at 0..n-1, no BOS) is computed and put
-   into the tiers (host + disk under a :class:`~cluster.client_api.LocalCacheClient`);
+   into the tiers (host + disk under a :class:`~cluster.cache.local.LocalCacheClient`);
 2. the prompt ``PREFIX ⟨sep⟩ p1 ⟨sep⟩ ... ⟨sep⟩ p10 ⟨sep⟩ QUERY`` (see :data:`PREFIX`,
    :data:`QUERY`: the model's chat format, answer within 5 words) is answered by
    (a) ``full``: the HF model's own forward with SDPA (the fastest full prefill here) and
@@ -149,11 +149,11 @@ def run(args: argparse.Namespace) -> int:
     from blend.engine import BlendEngine
     from blend.planner import make_plan
     from blend.segments import build_blend_prompt, chunk_token_ids
-    from cluster.client_api import LocalCacheClient
+    from cluster.cache.local import LocalCacheClient
     from cluster.config import cache_dir, load_config
-    from cluster.model import resolve_model
     from cluster.namespace import namespace_for
-    from cluster.qa import load_examples, max_f1, resolve_dataset, token_f1
+    from cluster.workloads.model import resolve_model
+    from cluster.workloads.qa import load_examples, max_f1, resolve_dataset, token_f1
     from tiers.keys import segment_key
 
     ratios = _floats(args.ratios, "ratios")

@@ -70,7 +70,7 @@ def _read_all_layers(client, keys, num_layers: int) -> float:
 
 
 def _direct_all_layers(tier, keys, headers, num_layers: int) -> float:
-    from cluster.client_api import layer_tensor
+    from tiers.codec import layer_tensor
     from tiers.reader import read_layer
 
     t0 = time.perf_counter()
@@ -86,11 +86,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from ray.cluster_utils import Cluster
 
-    from cluster.client import CacheClient
-    from cluster.client_api import encode_kv
+    from cluster.cache.client import CacheClient
+    from cluster.cache.lifecycle import start_shards, stop_shards
     from cluster.config import load_config
-    from cluster.server_stop import stop_shards
-    from cluster.shard import start_shards
+    from tiers.codec import encode_kv
     from tiers.format import parse_header
     from tiers.host import HostTier
     from tiers.keys import segment_key

@@ -87,7 +87,7 @@ def real_kv_values(model: str, num_values: int, log) -> tuple[object, str]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from cluster.config import cache_dir, load_config
-        from cluster.model import resolve_model
+        from cluster.workloads.model import resolve_model
 
         path = resolve_model(model, cache_dir(load_config(environ={})), prepare=False)
         tok = AutoTokenizer.from_pretrained(path)
@@ -169,7 +169,7 @@ class _Bench:
     def run(self, compress: bool) -> dict:
         import torch
 
-        from cluster.client_api import encode_kv
+        from tiers.codec import encode_kv
         from tiers.reader import read_header, read_layers
 
         keys = [k for k, _ in self.chunks]
@@ -437,12 +437,12 @@ def _make_tier(name, args, stack: contextlib.ExitStack, num_chunks: int, chunk_b
         path = args.disk_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvblend-bench-"))
         return DiskTier(path, capacity)
     if name == "redis":
-        from cluster.services import start_redis
+        from cluster.workloads.services import start_redis
         from tiers.redis_tier import RedisTier
         url = args.redis_url or stack.enter_context(start_redis())
         return RedisTier(url, timeout_s=30.0, key_prefix="kvblend-bench:")
     if name == "s3":
-        from cluster.services import start_s3
+        from cluster.workloads.services import start_s3
         from tiers.s3 import S3Tier
         if args.s3_url:
             return S3Tier(args.s3_url, endpoint_url=args.s3_endpoint_url or None, timeout_s=60.0)

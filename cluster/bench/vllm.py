@@ -6,7 +6,7 @@ through ``vllm.LLM`` on the CPU backend, one engine at a time, in this one run:
 
 * ``full``        — vLLM without a connector, automatic prefix caching off;
 * ``vllm_prefix`` — vLLM without a connector, automatic prefix caching on;
-* ``kvblend``     — vLLM + :class:`cluster.connector.KVBlendConnector` at recompute ratio
+* ``kvblend``     — vLLM + :class:`cluster.vllm.connector.KVBlendConnector` at recompute ratio
   0.15 (``--ratio``), vLLM's prefix caching off (so every reuse is ours), the connector's
   defaults otherwise (blends on vLLM's async-load path); without a reachable Ray cache its
   machine-local cache is a fresh one in this run's temporary directory.
@@ -84,7 +84,7 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from cluster.connector import read_stats
+    from cluster.vllm.events import read_stats
 
     kwargs = dict(dtype=dtype, enforce_eager=True, max_model_len=8192, seed=0, disable_log_stats=False,
                   enable_prefix_caching=(mode == "vllm_prefix"))
@@ -103,7 +103,7 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
         for ids in warm:  # equal warm-up: the reversed orderings
             llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
         if mode == "kvblend":  # the connector stores in later engine steps: run them now
-            from cluster.connector import settle
+            from cluster.vllm.connector import settle
 
             settle(llm)
         ttfts, e2es, answers, cached, rids = [], [], [], [], []
@@ -147,7 +147,7 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        from cluster.serving import replica_cpus
+        from cluster.workloads.replicas import replica_cpus
 
         # every engine on all of this machine's cores, as in the demo (vLLM's default binding
         # leaves one of two cores idle here: 24 s instead of 12 s for a 3.5K-token prefill)
@@ -158,8 +158,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from cluster.config import cache_dir, load_config
-    from cluster.model import resolve_model
-    from cluster.qa import load_examples, resolve_dataset, token_f1
+    from cluster.workloads.model import resolve_model
+    from cluster.workloads.qa import load_examples, resolve_dataset, token_f1
 
     if args.mode_only:
         # one engine in this process: vLLM's scheduler and worker then share the process-local
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             log.info("bench vllm: mode %s (%d prompts, mean %d tokens)", mode, len(measured),
                      statistics.mean(len(p) for p in measured))
             row_out = os.path.join(tmp, f"{mode}.json")
-            cmd = [sys.executable, "-c", "import sys; from cluster.cli import main; sys.exit(main(sys.argv[1:]))",
+            cmd = [sys.executable, "-c", "import sys; from cluster.cli.main import main; sys.exit(main(sys.argv[1:]))",
                    "bench", "vllm", "--json", args.json, "--dataset", args.dataset,
                    "--num-examples", str(args.num_examples), "--ratio", str(args.ratio),
                    "--model", args.model, "--dtype", args.dtype,

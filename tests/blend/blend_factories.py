@@ -13,7 +13,7 @@ from blend.adapters.hf import HFModelAdapter
 from blend.config import BlendConfig
 from blend.engine import BlendEngine
 from blend.planner import make_plan
-from cluster.client_api import LocalCacheClient
+from cluster.cache.local import LocalCacheClient
 from tiers.keys import segment_key
 
 NAMESPACE = "0123456789abcdef"

@@ -6,7 +6,7 @@ import pytest
 from blend_factories import tiny_adapter
 
 from blend.engine import BlendEngine
-from cluster.client_api import LocalCacheClient
+from cluster.cache.local import LocalCacheClient
 from tiers.tier import MemoryTier
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.cli import main
+from cluster.cli.main import main
 
 
 def test_bench_blend_smoke(tmp_path, smollm2_path):

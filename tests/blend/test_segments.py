@@ -183,7 +183,7 @@ def test_smollm2_ratio_one_and_layers_match(smollm2_path, tokenizer):
     rtol=atol=1e-3 (observed ~1e-5)."""
     from blend.adapters.hf import HFModelAdapter
     from blend.engine import BlendEngine
-    from cluster.client_api import LocalCacheClient
+    from cluster.cache.local import LocalCacheClient
 
     adapter = HFModelAdapter.from_pretrained(smollm2_path, dtype=torch.float32)
     client = LocalCacheClient()

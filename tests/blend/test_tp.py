@@ -21,7 +21,7 @@ from blend.adapters.hf import HFModelAdapter
 from blend.config import BlendConfig
 from blend.engine import BlendEngine
 from blend.planner import make_plan
-from cluster.client_api import LocalCacheClient
+from cluster.cache.local import LocalCacheClient
 from tiers.keys import Namespace, segment_key
 from tiers.tier import MemoryTier
 

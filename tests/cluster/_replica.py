@@ -15,7 +15,7 @@ import torch
 def main() -> int:
     address, ray_ns, mode, first, count = sys.argv[1:6]
     first, count = int(first), int(count)
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
     from cluster.config import load_config
     from tests.cluster.conftest import NS, make_key, make_kv
 

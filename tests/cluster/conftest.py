@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from cluster.services import free_port
+from cluster.workloads.services import free_port
 from tiers.keys import ChunkKey, segment_key
 
 RESOURCE = "kvblend_shard"
@@ -54,14 +54,14 @@ def kvconfig(ray_cluster, tmp_path_factory):
 @pytest.fixture(scope="session")
 def shards(kvconfig):
     """Names of the shard actors (one per node), started once."""
-    from cluster.shard import start_shards
+    from cluster.cache.lifecycle import start_shards
 
     return start_shards(kvconfig)
 
 
 @pytest.fixture
 def client(kvconfig, shards):
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
 
     c = CacheClient(kvconfig, namespace=NS)
     yield c

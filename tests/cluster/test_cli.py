@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def kvblend(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "--log-level", "WARNING", *args],
+    return subprocess.run([sys.executable, "-m", "cluster.cli.main", "--log-level", "WARNING", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
@@ -39,9 +39,9 @@ def cli_namespace(ray_cluster, tmp_path_factory):
 
 
 def test_server_status_clear_stop(cli_namespace, kvconfig):
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
+    from cluster.cache.lifecycle import shard_names
     from cluster.config import load_config
-    from cluster.ray_util import shard_names
 
     address, ns, started = cli_namespace
     assert started["namespace"] == ns and len(started["shards"]) == 2
@@ -95,7 +95,7 @@ def test_server_status_clear_stop(cli_namespace, kvconfig):
 
 
 def test_admin_commands_without_ray_fail_cleanly():
-    from cluster.services import free_port
+    from cluster.workloads.services import free_port
 
     done = kvblend("status", "--address", f"127.0.0.1:{free_port()}")
     assert done.returncode == 1

@@ -10,7 +10,7 @@ from tests.cluster.conftest import NS, make_key, make_kv
 def test_one_shard_per_node(ray_cluster, shards, kvconfig):
     import ray
 
-    from cluster.ray_util import get_shard
+    from cluster.cache.lifecycle import get_shard
 
     cluster, _ = ray_cluster
     assert len(shards) == 2
@@ -78,7 +78,7 @@ def test_fetch_without_lookup_and_past_last_layer(client):
 
 
 def test_mapped_objects_are_bounded_by_bytes(kvconfig, shards):
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
 
     keys = [make_key(500 + i) for i in range(8)]
     kvs = [make_kv(500 + i) for i in range(8)]

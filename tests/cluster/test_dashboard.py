@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from cluster.services import free_port
+from cluster.workloads.services import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,7 +42,7 @@ def blocking_server(tmp_path_factory):
     ns = f"kvblend-dash-{uuid.uuid4().hex[:6]}"
     disk = tmp_path_factory.mktemp("dash-disk")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "--log-level", "WARNING", "server", "--block",
+        [sys.executable, "-m", "cluster.cli.main", "--log-level", "WARNING", "server", "--block",
          "--ray-namespace", ns, "--disk-path", str(disk), "--host-size-gib", "0.01",
          "--disk-size-gib", "0.01", "--object-store-gib", "0.3", "--shards-per-node", "2",
          "--dashboard-port", str(dash_port), "--metrics-export-port", str(metrics_port)],
@@ -82,7 +82,7 @@ def test_dashboard_api_lists_shard_actors(blocking_server):
     assert set(started["shards"]) <= names
     # the status command reaches the same cluster with the token from the environment
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "status", "--json", "--address", started["address"],
+        [sys.executable, "-m", "cluster.cli.main", "status", "--json", "--address", started["address"],
          "--ray-namespace", started["namespace"]],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -29,7 +29,7 @@ def _wait_ready(handle, old_pid: int, timeout_s: float = 90.0) -> dict:
 def test_kill_shard_during_reads_then_disk_chunks_found(client, kvconfig, shards):
     import ray
 
-    from cluster.ray_util import get_shard
+    from cluster.cache.lifecycle import get_shard
 
     keys = [make_key(5000 + i) for i in range(20)]
     kvs = [make_kv(5000 + i) for i in range(20)]
@@ -97,8 +97,8 @@ def test_kill_shard_during_reads_then_disk_chunks_found(client, kvconfig, shards
 def test_corrupted_put_is_rejected_and_foreign_object_is_a_miss(client, kvconfig, shards):
     import ray
 
-    from cluster.client_api import encode_kv
-    from cluster.ray_util import get_shard
+    from cluster.cache.lifecycle import get_shard
+    from tiers.codec import encode_kv
 
     k, other = make_key(6000), make_key(6001)
     obj = bytearray(encode_kv(k, make_kv(1)))

@@ -57,7 +57,7 @@ def grafana_metric_names() -> set[str]:
 
 
 def test_grafana_queries_only_known_metrics():
-    from cluster.metrics import prometheus_names
+    from cluster.cache.metrics import prometheus_names
 
     names = grafana_metric_names()
     assert len(names) >= 10
@@ -66,7 +66,7 @@ def test_grafana_queries_only_known_metrics():
 
 @pytest.fixture(scope="module")
 def mclient(kvconfig, shards):
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
 
     c = CacheClient(kvconfig)
     yield c
@@ -79,7 +79,7 @@ def evicted_and_corrupted(mclient, kvconfig, shards):
     disk file. Returns (keys, kvs, corrupted key)."""
     import ray
 
-    from cluster.ray_util import get_shard
+    from cluster.cache.lifecycle import get_shard
 
     client = mclient
     keys = [make_key(8000 + i) for i in range(14)]

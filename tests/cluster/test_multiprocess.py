@@ -42,8 +42,8 @@ FALLBACK = r"""
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="WARN %(message)s")
 from cluster.config import load_config
-from cluster.ray_util import make_client
-from cluster.client_api import LocalCacheClient
+from cluster.cache.factory import make_client
+from cluster.cache.local import LocalCacheClient
 cfg = load_config(environ={}, overrides={"ray_address": sys.argv[1]})
 clients = [make_client(cfg) for _ in range(3)]
 assert all(isinstance(c, LocalCacheClient) for c in clients), clients
@@ -52,7 +52,7 @@ print("OK")
 
 
 def test_unreachable_ray_falls_back_with_one_warning():
-    from cluster.services import free_port
+    from cluster.workloads.services import free_port
 
     done = subprocess.run([sys.executable, "-c", FALLBACK, f"127.0.0.1:{free_port()}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)

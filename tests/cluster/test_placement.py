@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import Placement, owner
+from cluster.cache.placement import Placement, owner
 from tiers.keys import segment_key
 
 KEYS = [str(segment_key("ns0123456789abcd", [i, i * 7 + 1])) for i in range(10_000)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from cluster.ray_util import _unseeded_random
+from cluster.cache.connect import _unseeded_random
 
 
 def test_ray_init_draws_fresh_ids_in_identically_seeded_processes():

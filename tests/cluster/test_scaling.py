@@ -14,12 +14,10 @@ from tests.cluster.conftest import NS, make_key, make_kv
 def test_new_shards_move_keys_which_become_counted_misses(ray_cluster, tmp_path_factory):
     import ray
 
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
+    from cluster.cache.lifecycle import get_shard, start_shards, stop_shards
+    from cluster.cache.placement import Placement
     from cluster.config import load_config
-    from cluster.placement import Placement
-    from cluster.ray_util import get_shard
-    from cluster.server_stop import stop_shards
-    from cluster.shard import start_shards
 
     cluster, _ = ray_cluster
     cfg = load_config(environ={}, overrides={

@@ -14,10 +14,9 @@ from tests.cluster.conftest import NS, make_key, make_kv
 
 @pytest.fixture(scope="module")
 def redis_setup(ray_cluster, tmp_path_factory):
+    from cluster.cache.lifecycle import start_shards, stop_shards
     from cluster.config import load_config
-    from cluster.server_stop import stop_shards
-    from cluster.services import start_redis_process
-    from cluster.shard import start_shards
+    from cluster.workloads.services import start_redis_process
 
     cluster, _ = ray_cluster
     root = tmp_path_factory.mktemp("redis-shards")
@@ -38,7 +37,7 @@ def test_chunk_re_encoded_below_memory_is_sliced_with_its_own_header(redis_setup
     differ from the header the lookup returned. The reader slices the object it maps with
     that object's own header (every layer bit-exact, no read error, no direct read). Seen
     through vLLM: a restarted shard's objects failed every layer's checksum."""
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
 
     cfg, _, _ = redis_setup
     client = CacheClient(cfg, NS)
@@ -70,7 +69,7 @@ def test_chunk_re_encoded_below_memory_is_sliced_with_its_own_header(redis_setup
 
 
 def test_dead_owner_is_served_from_redis_and_redis_down_is_a_miss(redis_setup):
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
 
     cfg, names, redis = redis_setup
     client = CacheClient(cfg, NS)
@@ -113,7 +112,7 @@ def test_dead_owner_is_served_from_redis_and_redis_down_is_a_miss(redis_setup):
     # Redis comes back empty (no persistence): draining the live shard before removing its
     # node writes what it holds back into Redis, and the placement then finds it there
     redis.start()
-    from cluster.server_stop import stop_shards
+    from cluster.cache.lifecycle import stop_shards
     from tiers.redis_tier import RedisTier
 
     live = next(n for n in names if n != dead)
@@ -130,10 +129,9 @@ def s3_setup(ray_cluster, tmp_path_factory):
     import contextlib
     import os
 
+    from cluster.cache.lifecycle import start_shards, stop_shards
     from cluster.config import load_config
-    from cluster.server_stop import stop_shards
-    from cluster.services import start_s3
-    from cluster.shard import start_shards
+    from cluster.workloads.services import start_s3
 
     cluster, _ = ray_cluster
     stack = contextlib.ExitStack()
@@ -156,7 +154,7 @@ def s3_setup(ray_cluster, tmp_path_factory):
 def test_dead_owner_is_served_from_s3_and_s3_down_is_a_miss(s3_setup):
     import boto3
 
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
 
     cfg, stack, bucket, endpoint = s3_setup
     client = CacheClient(cfg, NS)

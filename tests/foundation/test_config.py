@@ -103,7 +103,7 @@ def _kvblend(*args, env=None):
 
     e = {k: v for k, v in os.environ.items() if not k.startswith(("KVBLEND_", "LMCACHE_"))}
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, env=e)
+    return subprocess.run([sys.executable, "-m", "cluster.cli.main", *args], capture_output=True, text=True, env=e)
 
 
 def test_cli_config_show_reports_value_and_source():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.client_api import LocalCacheClient, encode_kv
+from cluster.cache.local import LocalCacheClient
+from tiers.codec import encode_kv
 from tiers.format import FormatError, decode_layer, encode_chunk, parse_header
 from tiers.keys import ChunkKey, Namespace, prefix_keys, segment_key
 

@@ -10,10 +10,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_readme_config_table_is_current():
-    from cluster.docs import render
+    from cluster.cli.docs import render
 
     text = (ROOT / "README.md").read_text()
-    assert render(text) == text, "README config table is stale: run `python -m cluster.docs`"
+    assert render(text) == text, "README config table is stale: run `python -m cluster.cli.docs`"
 
 
 def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_one():

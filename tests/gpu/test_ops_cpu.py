@@ -61,7 +61,7 @@ def test_cpu_dispatch_equals_references():
 
 @pytest.mark.parametrize("layout,shape", [("flash_attn", (2, 5, 4, 2, 8)), ("flashinfer", (5, 2, 4, 2, 8))])
 def test_paged_ops_match_cluster_paged(layout, shape):
-    from cluster.paged import gather_kv, scatter_kv
+    from cluster.vllm.paged import gather_kv, scatter_kv
 
     g = torch.Generator().manual_seed(2)
     cache = torch.randn(shape, generator=g)
@@ -205,7 +205,7 @@ def test_engine_with_ops_over_staged_host_tier(monkeypatch, ratio):
 BLOCKER = ("import sys\n"
            "for m in ('ray', 'redis', 'boto3', 'lz4', 'vllm'):\n"
            "    sys.modules[m] = None\n"
-           "from cluster.cli import main\n"
+           "from cluster.cli.main import main\n"
            "sys.exit(main(['bench', 'gpu', '--help']))\n")
 
 
@@ -216,7 +216,7 @@ def test_bench_gpu_help_without_heavy_modules():
 
 
 def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     path = tmp_path / "gpu.json"
     rc = main(["bench", "gpu", "--json", str(path), "--tiny", "--device", "cpu", "--lengths", "300",

@@ -81,10 +81,11 @@ def test_config_is_mounted_and_pointed_to_by_kvblend_config(rendered):
 def test_kvblend_env_vars_are_config_fields(rendered):
     """cluster.env refuses unknown KVBLEND_* variables at start-up: the chart sets none."""
     from cluster import env as envmod
+    from cluster.config import FIELD_SECTION
 
     for where, container, _ in rendered.containers():
         names = {e["name"]: "x" for e in container.get("env", []) if e["name"].startswith("KVBLEND_")}
-        list(envmod.config_values(names))  # raises ValueError on an unknown one
+        list(envmod.config_values(names, FIELD_SECTION))  # raises ValueError on an unknown one
         assert set(names) <= {"KVBLEND_CONFIG", "KVBLEND_REDIS_URL"}, where
 
 

@@ -99,7 +99,7 @@ def test_shard_memory_and_disk_fit_the_configured_tiers(rendered):
     container = spec["containers"][0]
     limits, requests = container["resources"]["limits"], container["resources"]["requests"]
     assert limits["memory"] == requests["memory"]  # Guaranteed memory: no eviction under pressure
-    # The host tier of the node's shards lives in the Ray object store (cluster/server.py),
+    # The host tier of the node's shards lives in the Ray object store (cluster/cli/server.py),
     # which lives in the memory-backed /dev/shm, which counts against the memory limit.
     host = cfg["host_size_gib"] * cfg["shards_per_node"] * GIB
     object_store = int(group["rayStartParams"]["object-store-memory"])

@@ -102,7 +102,7 @@ def test_separator_in_context(readme_vllm, tmp_path):
     """Passages ingested standalone are hit from one whole-string chat message, in two orders."""
     import requests
 
-    from cluster.qa import load_examples, resolve_dataset
+    from cluster.workloads.qa import load_examples, resolve_dataset
 
     ex = load_examples(resolve_dataset("wikimqa"), limit=1)[0]
     passages = list(ex.passages[:3])

@@ -6,7 +6,7 @@ import botocore.exceptions
 import pytest
 from tier_factories import as_layer, layer_buffers, make_key, make_kv, make_object
 
-from cluster.services import free_port, start_redis, start_redis_process
+from cluster.workloads.services import free_port, start_redis, start_redis_process
 from tiers.reader import ReadCounters, read_layers
 from tiers.redis_tier import RedisTier
 from tiers.s3 import S3Tier, parse_s3_url

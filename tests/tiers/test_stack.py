@@ -219,7 +219,7 @@ def test_stack_from_config(tmp_path, redis_url, s3_endpoint):
 
 
 def test_dead_redis_in_the_middle_of_a_stack_falls_through_to_s3(make_tier):
-    from cluster.services import start_redis_process
+    from cluster.workloads.services import start_redis_process
     from tiers.redis_tier import RedisTier
 
     with start_redis_process() as server:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.client_api import encode_kv
+from tiers.codec import encode_kv
 from tiers.keys import ChunkKey, Namespace, segment_key
 
 BYTE_TIERS = ("host", "disk", "redis", "s3")

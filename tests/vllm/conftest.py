@@ -88,13 +88,13 @@ def generate(llm, token_ids, params: dict | None = None, max_tokens: int = 6, lo
 
 
 def settle(llm) -> int:
-    from cluster.connector import settle as _settle
+    from cluster.vllm.connector import settle as _settle
 
     return _settle(llm)
 
 
 def events(stats_path: str, request_id: str, event: str | None = None) -> list[dict]:
-    from cluster.connector import read_stats
+    from cluster.vllm.events import read_stats
 
     # vLLM's engine adds a random suffix to the front end's request id ("0" -> "0-1a2b3c4d")
     return [e for e in read_stats(stats_path)
@@ -120,8 +120,8 @@ def one_node_ray_cache(root, **overrides):
     import ray
     from ray.cluster_utils import Cluster
 
+    from cluster.cache.lifecycle import start_shards
     from cluster.config import load_config
-    from cluster.shard import start_shards
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"kvblend_shard": 1}, "object_store_memory": 300 * 2**20,

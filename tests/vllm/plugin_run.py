@@ -20,7 +20,7 @@ if __name__ == "__main__":
     from vllm.config import KVTransferConfig
 
     from blend.segments import build_blend_prompt
-    from cluster.connector import read_stats
+    from cluster.vllm.events import read_stats
     from tests.vllm.conftest import NO_RAY, passage
 
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def adapters(blend_llm, smollm2_path):
     from blend.adapters.hf import HFModelAdapter
     from blend.adapters.vllm import VLLMModelAdapter
-    from cluster.vllm_model import current_model
+    from cluster.vllm.model_hook import current_model
 
     return VLLMModelAdapter(current_model(), model_id="smollm2"), \
         HFModelAdapter.from_pretrained(smollm2_path, dtype=torch.float32, model_id="smollm2")
@@ -30,14 +30,14 @@ def adapters(blend_llm, smollm2_path):
 
 @pytest.fixture(scope="module")
 def local_client(blend_llm, smollm2_path):
-    from cluster.connector import _local_clients
     from cluster.namespace import namespace_for
+    from cluster.vllm.connector import _local_clients
 
     return _local_clients[namespace_for(smollm2_path, "float32").digest()]
 
 
 def test_vllm_model_is_reached_through_the_plugin(blend_llm):
-    from cluster.vllm_model import KVBlendLlamaForCausalLM, current_model
+    from cluster.vllm.model_hook import KVBlendLlamaForCausalLM, current_model
 
     model = current_model()
     assert isinstance(model, KVBlendLlamaForCausalLM)
@@ -114,8 +114,8 @@ def test_recompute_set_and_injected_kv_match_hf(adapters, local_client, blend_ll
 
 
 def test_cpu_paged_layout_matches_vllm_kernel(blend_llm):
-    """cluster.paged's 'cpu' layout reads exactly what vLLM's CPU cache-update op wrote."""
-    from cluster import paged
+    """cluster.vllm.paged's 'cpu' layout reads exactly what vLLM's CPU cache-update op wrote."""
+    from cluster.vllm import paged
 
     runner = blend_llm.llm_engine.model_executor.driver_worker.worker.model_runner
     name = "model.layers.3.self_attn.attn"

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_bench_vllm_one_example(tmp_path):
     out = tmp_path / "vllm.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "vllm", "--json", str(out),
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli.main", "bench", "vllm", "--json", str(out),
                            "--num-examples", "1", "--max-passages", "2", "--max-new-tokens", "2"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

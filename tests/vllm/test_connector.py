@@ -180,7 +180,7 @@ def test_separator_edges_longer_than_context(blend_llm, blend_stats_path, tokeni
 
 
 def _all(path):
-    from cluster.connector import read_stats
+    from cluster.vllm.events import read_stats
 
     return read_stats(path)
 
@@ -214,8 +214,8 @@ def test_fault_during_load_falls_back_to_full_prefill(blend_llm, blend_stats_pat
                                                       smollm2_path, monkeypatch):
     """Issue 6 test 6 (in-process cache): a chunk layer becomes unreadable mid-load; the
     request is answered, the fallback is counted and the output equals full prefill."""
-    from cluster.connector import _local_clients
     from cluster.namespace import namespace_for
+    from cluster.vllm.connector import _local_clients
 
     client = _local_clients[namespace_for(smollm2_path, "float32").digest()]
     texts = [passage(800 + i) for i in range(3)]
@@ -252,7 +252,7 @@ def test_prometheus_hooks_export_our_counters():
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from cluster.connector import PROM_COUNTERS, KVBlendConnector
+    from cluster.vllm.connector import PROM_COUNTERS, KVBlendConnector
 
     worker = KVBlendConnector.build_kv_connector_stats({"hit_segments": 3, "reused_tokens": 900})
     sched = KVBlendConnector.build_kv_connector_stats({"requests": 1, "claimed_tokens": 950})

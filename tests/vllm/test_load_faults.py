@@ -48,7 +48,7 @@ def _use_client(llm, client, monkeypatch) -> None:
 def _wait_restarted(config, name: str, old_pid: int, timeout_s: float = 90.0) -> None:
     import ray
 
-    from cluster.ray_util import get_shard
+    from cluster.cache.lifecycle import get_shard
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -67,8 +67,8 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     import ray
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from cluster.client import CacheClient
-    from cluster.ray_util import get_shard
+    from cluster.cache.client import CacheClient
+    from cluster.cache.lifecycle import get_shard
 
     worker = get_kv_transfer_group()
     namespace = worker.namespace_digest

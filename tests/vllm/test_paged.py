@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster import paged
+from cluster.vllm import paged
 
 NUM_BLOCKS, BLOCK_SIZE, H, D = 6, 4, 3, 8
 

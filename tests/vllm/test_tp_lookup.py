@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from cluster.client_api import LocalCacheClient
-from cluster.connector import AllRanksLookup
+from cluster.cache.local import LocalCacheClient
+from cluster.vllm.connector import AllRanksLookup
 from tiers.keys import ChunkKey
 
 RANKS = ["aa" * 8, "bb" * 8]

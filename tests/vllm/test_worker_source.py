@@ -1,4 +1,4 @@
-"""cluster.worker_source: the worker's gpu tier in front of the cache client."""
+"""cluster.vllm.worker_source: the worker's gpu tier in front of the cache client."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import torch
 
-from cluster.worker_source import WorkerKVSource
+from cluster.vllm.worker_source import WorkerKVSource
 from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
 

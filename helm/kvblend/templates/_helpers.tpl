@@ -95,7 +95,7 @@ there; 10% + 256 MiB of slack. */}}
 {{- end -}}
 
 {{/* Shard pod memory: /dev/shm (the object store, which holds the host tier of every shard
-on the node, see cluster/server.py) + overhead (raylet, shard actor processes). */}}
+on the node, see cluster/cli/server.py) + overhead (raylet, shard actor processes). */}}
 {{- define "kvblend.shardMemoryGiB" -}}
 {{- addf (include "kvblend.rayShmGiB" .Values.kvblend.config.object_store_gib | float64) .Values.shards.memoryOverheadGiB -}}
 {{- end -}}

@@ -1,14 +1,14 @@
-"""vLLM general plugin ``kvblend`` (entry point ``vllm.general_plugins``: ``cluster.vllm_plugin:register``).
+"""vLLM general plugin ``kvblend`` (entry point ``vllm.general_plugins``: ``cluster.vllm.plugin:register``).
 
 vLLM calls :func:`register` in each of its processes (front end, engine core, workers) before
 it builds a model. It does two things, both through public vLLM APIs:
 
-* registers :class:`cluster.connector.KVBlendConnector` with ``KVConnectorFactory`` under the
+* registers :class:`cluster.vllm.connector.KVBlendConnector` with ``KVConnectorFactory`` under the
   short name ``KVBlendConnector``, so ``--kv-transfer-config '{"kv_connector":"KVBlendConnector",
   "kv_role":"kv_both"}'`` works without ``kv_connector_module_path``;
-* re-registers the architectures of :data:`cluster.vllm_model.TRACKED_ARCHITECTURES` with
+* re-registers the architectures of :data:`cluster.vllm.model_hook.TRACKED_ARCHITECTURES` with
   ``ModelRegistry`` as tracking subclasses (lazily, by ``module:class`` string), the hook by
-  which the worker-side connector reaches the model (see :mod:`cluster.vllm_model`).
+  which the worker-side connector reaches the model (see :mod:`cluster.vllm.model_hook`).
 
 Both are idempotent; importing this module imports no vLLM code.
 """
@@ -29,8 +29,8 @@ def register() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "cluster.connector", "KVBlendConnector")
-    from cluster.vllm_model import TRACKED_ARCHITECTURES
+    from cluster.vllm.model_hook import TRACKED_ARCHITECTURES
 
     for arch, cls_name in TRACKED_ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, f"cluster.vllm_model:{cls_name}")
+        ModelRegistry.register_model(arch, f"cluster.vllm.model_hook:{cls_name}")
     _registered = True

@@ -115,11 +115,11 @@ def build_engine(model_path: str, dtype: str):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from cluster.cache.factory import make_client
     from cluster.config import cache_dir, load_config
-    from cluster.model import resolve_model
     from cluster.namespace import namespace_for
-    from cluster.qa import load_examples
-    from cluster.ray_util import make_client
+    from cluster.workloads.model import resolve_model
+    from cluster.workloads.qa import load_examples
 
     overrides = {}
     if args.model:
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
     config = load_config(args.config, overrides=overrides)
-    from cluster.serving import default_dtype
+    from cluster.workloads.replicas import default_dtype
 
     args.dtype = args.dtype or default_dtype()
     model_path = resolve_model(config.cluster.model, cache_dir(config))

@@ -14,14 +14,14 @@ import sys
 
 # (command words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("config", "show"), "cluster.cmd_config", "print the effective config and the source of each value"),
-    (("model", "prepare"), "cluster.model", "turn the bundled GGUF model into a Hugging Face folder"),
-    (("server",), "cluster.server", "start or join a Ray cluster and bring up the cache shards"),
-    (("status",), "cluster.server_status", "per-shard capacity, use, hits and misses"),
-    (("stop",), "cluster.server_stop", "remove the shard actors (stored data stays)"),
-    (("clear",), "cluster.server_clear", "delete cached chunks"),
-    (("ingest",), "cluster.ingest", "compute and store the canonical KV of a corpus's passages"),
-    (("demo",), "cluster.demo", "the main job: a RAG workload through vLLM replicas sharing one cache"),
+    (("config", "show"), "cluster.cli.config_show", "print the effective config and the source of each value"),
+    (("model", "prepare"), "cluster.workloads.model", "turn the bundled GGUF model into a Hugging Face folder"),
+    (("server",), "cluster.cli.server", "start or join a Ray cluster and bring up the cache shards"),
+    (("status",), "cluster.cli.status", "per-shard capacity, use, hits and misses"),
+    (("stop",), "cluster.cli.stop", "remove the shard actors (stored data stays)"),
+    (("clear",), "cluster.cli.clear", "delete cached chunks"),
+    (("ingest",), "cluster.workloads.ingest", "compute and store the canonical KV of a corpus's passages"),
+    (("demo",), "cluster.workloads.demo", "the main job: a RAG workload through vLLM replicas sharing one cache"),
     (("bench", "tiers"), "cluster.bench.tiers", "tier throughput vs plain copies"),
     (("bench", "blend"), "cluster.bench.blend", "blend quality and TTFT vs full prefill (HF model)"),
     (("bench", "cluster"), "cluster.bench.cluster", "shard lookup latency and client read throughput"),

@@ -3,7 +3,7 @@
 vLLM's KV connector API hands a connector the paged KV caches, never the model, and CacheBlend
 needs the model's own layers (fused ``qkv_proj``, ``rotary_emb``, ``o_proj``, norms, MLP). The
 supported hook used here is vLLM's **model registry**: the ``vllm.general_plugins`` entry point
-(:func:`cluster.vllm_plugin.register`, run by vLLM in every process before a model is built)
+(:func:`cluster.vllm.plugin.register`, run by vLLM in every process before a model is built)
 re-registers the architectures below with subclasses that differ from vLLM's classes in one
 thing only: ``__init__`` records the instance in this process's registry. A worker-side
 connector then finds the model of its own process with :func:`current_model`.

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from cluster.events import read_stats
+from cluster.vllm.events import read_stats
 
 log = logging.getLogger("kvblend.demo")
 
@@ -143,7 +143,7 @@ class ModeResult:
     extra: dict = field(default_factory=dict)
 
     def summary(self, full: ModeResult | None, golds) -> dict:
-        from cluster.qa import max_f1, token_f1
+        from cluster.workloads.qa import max_f1, token_f1
 
         out = {"ttft_p50_s": statistics.median(self.ttft_s),
                "ttft_p90_s": _quantile(self.ttft_s, 0.9),
@@ -163,7 +163,7 @@ def _quantile(xs, q):
 
 
 def _kvblend_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cluster.cli", *args]
+    cmd = [sys.executable, "-m", "cluster.cli.main", *args]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if check and r.returncode != 0:
         raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
@@ -172,7 +172,7 @@ def _kvblend_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def _serve_queries(mode: str, replicas, workload: Workload, prompts, warm_prompts, max_tokens,
                    after_warmup=None) -> ModeResult:
-    from cluster.serving import complete
+    from cluster.workloads.replicas import complete
 
     res = ModeResult(mode)
     for prompt in warm_prompts:  # equal warm-up for every mode
@@ -195,9 +195,9 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
     from transformers import AutoTokenizer
 
     from cluster.config import cache_dir, load_config
-    from cluster.model import resolve_model
-    from cluster.qa import load_examples, resolve_dataset
-    from cluster.serving import replica_cpus, start_replica, wait_ready
+    from cluster.workloads.model import resolve_model
+    from cluster.workloads.qa import load_examples, resolve_dataset
+    from cluster.workloads.replicas import replica_cpus, start_replica, wait_ready
 
     t_start = time.perf_counter()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -291,15 +291,15 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
 
 def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_prompts, workdir, ray_address,
                  cpus):
+    from cluster.cache.factory import make_client
     from cluster.config import load_config
-    from cluster.ingest import build_engine, ingest_passages
     from cluster.namespace import namespace_for
-    from cluster.ray_util import make_client
-    from cluster.serving import start_replica, wait_ready
+    from cluster.workloads.ingest import build_engine, ingest_passages
+    from cluster.workloads.replicas import start_replica, wait_ready
 
     # 1. ingest (timed), through the engine's model, into the shared cache
     cfg = load_config(overrides={"ray_address": ray_address})
-    from cluster.serving import default_dtype
+    from cluster.workloads.replicas import default_dtype
 
     dtype = default_dtype()  # the replicas serve (and store KV) in this dtype
     namespace = namespace_for(model_path, dtype)

@@ -12,7 +12,7 @@
 A process that cannot reach Ray gets ``None`` from :func:`connect` (after one TCP probe with a
 short timeout, so an unreachable address costs ~1 s, not Ray's minute of retries); callers
 then run without the shared cache (:func:`make_client` returns a
-:class:`~cluster.client_api.LocalCacheClient`) and log ONE warning per process.
+:class:`~cluster.cache.local.LocalCacheClient`) and log ONE warning per process.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import threading
 
 log = logging.getLogger("kvblend.ray")
 
-SHARD_PREFIX = "kvblend-shard-"
 _warned = False
 _warn_lock = threading.Lock()
 
@@ -155,47 +154,3 @@ def _token_auth_if_available() -> None:
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     except Exception as e:  # noqa: BLE001 - best effort; ray.init reports real auth errors
         log.debug("token auth setup: %s", e)
-
-
-def shard_names(namespace: str) -> list[str]:
-    """Names of the shard actors registered in ``namespace`` (alive or restarting)."""
-    import ray
-
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == namespace and a["name"].startswith(SHARD_PREFIX))
-
-
-def get_shard(name: str, namespace: str):
-    """The actor handle of a named shard, or None when it does not exist."""
-    import ray
-
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
-
-
-def make_client(config, namespace: str | None = None, **kwargs):
-    """A :class:`~cluster.client.CacheClient` when Ray and at least one shard are reachable,
-    else a :class:`~cluster.client_api.LocalCacheClient` (with one warning per process).
-
-    Args:
-        config: a :class:`cluster.config.KVBlendConfig`.
-        namespace: the chunk namespace digest this client reads and writes (for ``clear``).
-    """
-    from cluster.client_api import local_client
-
-    device = kwargs.get("device", "cpu")
-    ray = connect(config.cluster)
-    if ray is None:
-        warn_once("kvblend: Ray is not reachable at ray_address=%r; running without the "
-                  "shared cache (a machine-local disk cache only)", config.cluster.ray_address)
-        return local_client(config, device=device)
-    if not shard_names(config.cluster.ray_namespace):
-        warn_once("kvblend: no cache shards in Ray namespace %r (run `kvblend server`); "
-                  "running without the shared cache (a machine-local disk cache only)",
-                  config.cluster.ray_namespace)
-        return local_client(config, device=device)
-    from cluster.client import CacheClient
-
-    return CacheClient(config, namespace, **kwargs)

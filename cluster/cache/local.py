@@ -1,6 +1,6 @@
 """The cluster client API, and an in-process reference implementation.
 
-``CacheClient`` (in :mod:`cluster.client`, over Ray shard actors) and
+``CacheClient`` (in :mod:`cluster.cache.client`, over Ray shard actors) and
 :class:`LocalCacheClient` (below, one process, no Ray) both implement blend's
 :class:`~blend.protocols.KVSource` and :class:`~blend.protocols.KVSink` plus the
 administrative calls here. Contract, common to both:
@@ -25,35 +25,10 @@ from concurrent.futures import Future
 import torch
 
 from blend.protocols import ChunkMeta
-from tiers.format import HEADER_PROBE_BYTES, FormatError, decode_layer, encode_chunk, parse_header
+from tiers.codec import encode_kv, layer_tensor  # noqa: F401  (LocalCacheClient's codec)
+from tiers.format import HEADER_PROBE_BYTES, FormatError, decode_layer, parse_header
 from tiers.keys import ChunkKey
 from tiers.tier import MemoryTier, Tier
-
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-
-
-def encode_kv(key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None,
-              compress: bool = False) -> bytes:
-    """Encode ``kv`` ``[L, 2, T, H, D]`` into a chunk object (see :mod:`tiers.format`)."""
-    if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"kv must be [L, 2, T, H, D], got {tuple(kv.shape)}")
-    if kv.dtype not in DTYPE_NAMES:
-        raise ValueError(f"kv dtype {kv.dtype} not supported")
-    kv = kv.detach().to("cpu").contiguous()
-    num_layers, _, num_tokens, num_kv_heads, head_dim = kv.shape
-    raw = kv.view(torch.uint8).view(num_layers, -1).numpy()
-    return encode_chunk(key, [raw[i] for i in range(num_layers)], dtype=DTYPE_NAMES[kv.dtype],
-                        num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        positions=positions, compress=compress)
-
-
-def layer_tensor(raw: memoryview | bytes, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    """View decoded layer bytes as a ``[2, T, H, D]`` tensor (copying a read-only buffer)."""
-    mv = memoryview(raw)
-    if mv.readonly:
-        mv = memoryview(bytearray(mv))
-    return torch.frombuffer(mv, dtype=torch.uint8).view(TORCH_DTYPES[dtype]).view(shape)
 
 
 def local_client(config, device: str | torch.device = "cpu") -> LocalCacheClient:

@@ -1,13 +1,13 @@
 """``CacheClient``: blend's KV source and sink over the Ray cache shards.
 
-Who calls what (one request; see :mod:`cluster.client_api` for the shared contract)::
+Who calls what (one request; see :mod:`cluster.cache.local` for the shared contract)::
 
     scheduler side   lookup(keys)                 one call per owning shard, all in parallel;
                                                   shards start promoting hits into host memory
     worker side      fetch_layer(keys, 0..L-1)    futures of [2, T, H, D] tensors
     after a request  put(key, kv[L, 2, T, H, D])  asynchronous, idempotent; flush(timeout_s)
 
-Placement: rendezvous hashing (:mod:`cluster.placement`) of ``str(ChunkKey)`` over the names of
+Placement: rendezvous hashing (:mod:`cluster.cache.placement`) of ``str(ChunkKey)`` over the names of
 the shard actors in ``ray_namespace``, refreshed every :data:`REFRESH_S` seconds and after a
 failed call. Keys whose owner changes become misses (counted as ``placement_moves``).
 
@@ -40,11 +40,12 @@ import numpy as np
 import torch
 
 from blend.protocols import ChunkMeta
-from cluster.affinity import unpin_thread
-from cluster.client_api import encode_kv, layer_tensor
-from cluster.placement import Placement
-from cluster.ray_util import connect, get_shard, shard_names
-from cluster.shard import make_shared_tiers
+from cluster.cache.connect import connect
+from cluster.cache.lifecycle import get_shard, shard_names
+from cluster.cache.placement import Placement
+from cluster.cache.shard import make_shared_tiers
+from cluster.vllm.affinity import unpin_thread
+from tiers.codec import encode_kv, layer_tensor
 from tiers.format import ChunkHeader, FormatError, decode_layer, parse_header
 from tiers.keys import ChunkKey
 from tiers.reader import read_header, read_layer
@@ -91,7 +92,7 @@ class CacheClient:
             objects of one ``fetch_layer`` call are always mapped while it runs).
 
     Raises:
-        ConnectionError: Ray is not reachable (use :func:`cluster.ray_util.make_client` to
+        ConnectionError: Ray is not reachable (use :func:`cluster.cache.factory.make_client` to
             fall back to a local cache instead).
     """
 

@@ -1,6 +1,6 @@
 """Reading the connector's per-request events (``kv_connector_extra_config["stats_path"]``).
 
-Kept apart from :mod:`cluster.connector` so that front-end processes (tests, the demo,
+Kept apart from :mod:`cluster.vllm.connector` so that front-end processes (tests, the demo,
 examples) read events without importing vLLM's connector machinery.
 """
 

@@ -37,7 +37,7 @@ def resolve_dataset(name_or_path: str, data_dir: str | None = None) -> str:
     fname = DATASETS.get(name_or_path)
     if fname is None:
         raise ValueError(f"dataset {name_or_path!r} is neither a file nor one of {sorted(DATASETS)}")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
     candidates = [data_dir] if data_dir else []
     candidates += [os.path.join(here, d) for d in DEFAULT_DATA_DIRS]
     for d in candidates:

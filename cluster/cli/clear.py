@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from cluster.server import add_connection_arguments, connect_or_fail
+from cluster.cli.connection import add_connection_arguments, connect_or_fail
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,12 +24,12 @@ def run(args: argparse.Namespace) -> int:
     cfg, ray = connect_or_fail(args)
     if ray is None:
         return 1
-    from cluster.ray_util import shard_names
+    from cluster.cache.lifecycle import shard_names
 
     if not shard_names(cfg.cluster.ray_namespace):
         print("no shards running: nothing to clear")
         return 1
-    from cluster.client import CacheClient
+    from cluster.cache.client import CacheClient
 
     client = CacheClient(cfg, args.namespace)
     try:

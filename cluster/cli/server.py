@@ -34,43 +34,13 @@ import subprocess
 import sys
 import threading
 
+from cluster.cli.connection import add_connection_arguments, connection_overrides
+
 log = logging.getLogger("kvblend.server")
 
 RESCAN_S = 10.0
 #: object-store room beyond the host tiers, for puts in flight (each passes through once)
 STORE_HEADROOM_GIB = 0.1
-
-
-def add_connection_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags every cluster command shares: ``--config``, ``--address``, ``--ray-namespace``."""
-    p.add_argument("--config", help="YAML config file (our keys or LMCache's)")
-    p.add_argument("--address", help="Ray cluster to use: host:port, 'auto' or 'local' (default: config ray_address)")
-    p.add_argument("--ray-namespace", help="Ray namespace of the shards (default: config ray_namespace)")
-
-
-def connection_overrides(args: argparse.Namespace) -> dict:
-    out = {}
-    if getattr(args, "address", None):
-        out["ray_address"] = args.address
-    if getattr(args, "ray_namespace", None):
-        out["ray_namespace"] = args.ray_namespace
-    return out
-
-
-def connect_or_fail(args: argparse.Namespace, extra: dict | None = None):
-    """(config, ray) for the admin commands; prints a message and returns (config, None)
-    when Ray cannot be reached."""
-    from cluster.config import load_config
-    from cluster.ray_util import connect
-
-    cfg = load_config(args.config, overrides={**connection_overrides(args), **(extra or {})})
-    if cfg.cluster.ray_address == "local":
-        raise ValueError("--address local starts a new empty Ray; give the running cluster's host:port")
-    ray = connect(cfg.cluster)
-    if ray is None:
-        print(f"kvblend: cannot reach Ray at {cfg.cluster.ray_address!r} (is `kvblend server` running?)",
-              file=sys.stderr)
-    return cfg, ray
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,7 +73,7 @@ _FLAG_FIELDS = ("host_size_gib", "disk_path", "disk_size_gib", "redis_url", "s3_
 
 def _start_head(cfg, args) -> str:
     """``ray start --head`` with the shard resource; returns the GCS address."""
-    from cluster.services import free_port
+    from cluster.workloads.services import free_port
 
     ray_exe = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
     port = free_port()
@@ -152,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     log_effective(cfg)
     import ray
 
-    from cluster.ray_util import connect
-    from cluster.shard import start_shards
+    from cluster.cache.connect import connect
+    from cluster.cache.lifecycle import start_shards
 
     if c.ray_address == "local" and args.block:
         connect(c, include_dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port,
@@ -188,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             start_shards(cfg)
         except Exception as e:  # noqa: BLE001 - keep serving
             log.warning("rescan for new cache nodes failed: %s", e)
-    from cluster.server_stop import stop_shards
+    from cluster.cache.lifecycle import stop_shards
 
     stop_shards(c.ray_namespace)
     ray.shutdown()

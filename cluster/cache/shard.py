@@ -51,23 +51,13 @@ from concurrent.futures import wait as wait_futures
 
 import numpy as np
 
-from cluster.metrics import ShardMetrics
+from cluster.cache.metrics import ShardMetrics
 from tiers.config import TiersConfig
 from tiers.format import FormatError, decode_layer, encode_chunk
 from tiers.keys import ChunkKey
 from tiers.reader import read_header, validate_object
 
 log = logging.getLogger("kvblend.shard")
-
-SHARD_PREFIX = "kvblend-shard-"
-#: custom-resource units one shard asks for (nodes advertise e.g. 1; up to 64 shards per node)
-SHARD_RESOURCE_AMOUNT = 0.01
-
-
-def shard_name(node_id: str, index: int) -> str:
-    """``kvblend-shard-<first 8 hex of the Ray node id>-<index>``."""
-    return f"{SHARD_PREFIX}{node_id[:8]}-{index}"
-
 
 def make_shared_tiers(cfg: TiersConfig) -> list:
     """The shared tiers below every shard (Redis, then S3) that ``cfg`` configures.
@@ -468,61 +458,3 @@ class CacheShard:
                 except Exception:  # noqa: BLE001
                     pass
             time.sleep(2.0)
-
-
-def start_shards(config, timeout_s: float = 60.0, env_vars: dict[str, str] | None = None) -> list[str]:
-    """Create (idempotently) the shard actors on every alive node with ``shard_resource``.
-
-    Args:
-        config: a :class:`cluster.config.KVBlendConfig`; Ray must be initialised.
-        timeout_s: how long to wait for every shard's ``ready()``.
-        env_vars: environment of newly created shard processes (Ray runtime env), e.g. S3
-            credentials when the nodes' own environment lacks them; the standard AWS chain
-            (node environment, instance/IRSA roles) is used otherwise.
-
-    Returns:
-        The names of the shards that answered ``ready()``.
-
-    Raises:
-        RuntimeError: no node advertises ``shard_resource``.
-    """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from cluster.config import cache_dir
-
-    c = config.cluster
-    disk_root = config.tiers.disk_path or os.path.join(cache_dir(config), "disk")
-    actor_cls = ray.remote(CacheShard)
-    handles = {}
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        res = node.get("Resources", {})
-        if c.shard_resource and res.get(c.shard_resource, 0) <= 0:
-            continue
-        node_id = node["NodeID"]
-        # The resource marks eligible nodes; placement itself is the node affinity. Each shard
-        # asks for a token amount only, so several deployments (Ray namespaces) can share nodes.
-        amount = {c.shard_resource: SHARD_RESOURCE_AMOUNT} if c.shard_resource else {}
-        for i in range(c.shards_per_node):
-            name = shard_name(node_id, i)
-            handles[name] = actor_cls.options(
-                name=name, namespace=c.ray_namespace, lifetime="detached", get_if_exists=True,
-                max_restarts=-1, max_task_retries=0, max_concurrency=16, num_cpus=0,
-                resources=amount,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                runtime_env={"env_vars": dict(env_vars)} if env_vars else None,
-            ).remote(name, config.tiers, disk_root, c.metrics)
-    if not handles:
-        raise RuntimeError(f"no alive Ray node advertises the resource {c.shard_resource!r}; start "
-                           f"nodes with --resources '{{\"{c.shard_resource}\": 1}}'")
-    ready = {name: h.ready.remote() for name, h in handles.items()}
-    names = []
-    for name, ref in ready.items():
-        try:
-            ray.get(ref, timeout=timeout_s)
-            names.append(name)
-        except Exception as e:  # noqa: BLE001 - report, keep the others
-            log.warning("shard %s not ready: %s", name, e)
-    return sorted(names)

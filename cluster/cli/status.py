@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cluster.server import add_connection_arguments, connect_or_fail
+from cluster.cli.connection import add_connection_arguments, connect_or_fail
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def collect(namespace: str, timeout_s: float) -> dict[str, dict]:
     """``{shard name: stats() | {'error': ...}}`` for every shard in ``namespace``."""
     import ray
 
-    from cluster.ray_util import get_shard, shard_names
+    from cluster.cache.lifecycle import get_shard, shard_names
 
     refs = {}
     out: dict[str, dict] = {}
