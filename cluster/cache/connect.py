@@ -11,8 +11,9 @@
 
 A process that cannot reach Ray gets ``None`` from :func:`connect` (after one TCP probe with a
 short timeout, so an unreachable address costs ~1 s, not Ray's minute of retries); callers
-then run without the shared cache (:func:`make_client` returns a
-:class:`~cluster.cache.local.LocalCacheClient`) and log ONE warning per process.
+then run without the shared cache (:func:`cluster.cache.factory.make_client` returns a
+:class:`~cluster.cache.local.LocalCacheClient`) and log ONE warning per process
+(:func:`warn_once`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def _auto_address() -> str | None:
 
 
 def warn_once(message: str, *args) -> None:
-    """Log ``message`` as a warning the first time only (per process)."""
+    """Log ``message`` (``%``-formatted with ``args``) as a warning if no call of this
+    function has logged in this process yet; later calls, whatever their message, log
+    nothing (one "running without the shared cache" warning per process)."""
     global _warned
     with _warn_lock:
         if _warned:

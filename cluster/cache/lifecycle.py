@@ -3,10 +3,11 @@
 A shard is a detached, named Ray actor (:class:`cluster.cache.shard.CacheShard`) pinned to one
 node that advertises ``shard_resource``: ``kvblend-shard-<node_id[:8]>-<i>`` in the Ray
 namespace ``ray_namespace``. :func:`start_shards` creates them idempotently
-(``get_if_exists``; Ray restarts them, ``max_restarts=-1``), :func:`shard_names` and
-:func:`get_shard` find them (clients, ``kvblend status``), :func:`stop_shards` kills them
-(``kvblend stop``, benchmarks), optionally after draining their chunks to Redis/S3.
-Stopping keeps stored data: disk files, Redis and S3.
+(``get_if_exists``; Ray restarts them, ``max_restarts=-1``; ``kvblend server``, tests,
+benchmarks), :func:`shard_names` and :func:`get_shard` find them (the client's
+:class:`~cluster.cache.router.ShardRouter`, the client factory, ``kvblend status``/``clear``),
+:func:`stop_shards` kills them (``kvblend stop``, benchmarks), optionally after draining their
+chunks to Redis/S3. Stopping keeps stored data: disk files, Redis and S3.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""The cluster client API, and an in-process reference implementation.
+"""``LocalCacheClient``: the cache client over tiers in this process — no Ray, no threads.
 
-``CacheClient`` (in :mod:`cluster.cache.client`, over Ray shard actors) and
-:class:`LocalCacheClient` (below, one process, no Ray) both implement blend's
-:class:`~blend.protocols.KVSource` and :class:`~blend.protocols.KVSink` plus the
-administrative calls here. Contract, common to both:
-
-* ``lookup(keys)`` — one round trip for a batch; returns :class:`~blend.protocols.ChunkMeta`
-  or None per key and starts promoting the hits into host memory (prefetch).
-* ``fetch_layer(keys, layer_idx)`` — a future of ``[2, T, H, D]`` tensors (None where a chunk
-  cannot be read); never raises for cache faults.
-* ``put(key, kv, positions)`` — asynchronous, idempotent; ``kv`` is ``[L, 2, T, H, D]``.
-* ``flush(timeout_s)`` — wait for pending puts; True when all finished.
-* ``contains(keys)``, ``delete(keys)``, ``stats()``.
-
-Failure behaviour: a dead or slow shard or tier is a miss and a counter, never an exception.
+It keeps the contract of :class:`cluster.cache.protocol.CacheClientProtocol` (the Ray
+:class:`~cluster.cache.client.CacheClient` keeps the same one) over any one
+:class:`~tiers.tier.Tier`: tests and the blend benchmark use a memory tier or a
+:class:`~tiers.stack.TierStack`; :func:`local_client` builds the machine-local disk cache that
+:func:`cluster.cache.factory.make_client` falls back to when no Ray cluster is reachable.
+Every call runs synchronously in the caller's thread (``fetch_layer``'s future is already
+done when returned). Failure behaviour: as the protocol says — a missing, corrupted or
+foreign object is a miss, counted in ``stats()['client']['read_errors']`` when it fails to
+decode.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from concurrent.futures import Future
 import torch
 
 from blend.protocols import ChunkMeta
-from tiers.codec import encode_kv, layer_tensor  # noqa: F401  (LocalCacheClient's codec)
+from tiers.codec import encode_kv, layer_tensor
 from tiers.format import HEADER_PROBE_BYTES, FormatError, decode_layer, parse_header
 from tiers.keys import ChunkKey
 from tiers.tier import MemoryTier, Tier
@@ -50,11 +45,14 @@ def local_client(config, device: str | torch.device = "cpu") -> LocalCacheClient
 
 
 class LocalCacheClient:
-    """Cache client over tiers in this process (no Ray): tests, and a process without Ray.
+    """Cache client over one tier in this process (a
+    :class:`~cluster.cache.protocol.CacheClientProtocol`).
 
     Args:
-        tier: any :class:`~tiers.tier.Tier` (default: a 1 GiB :class:`MemoryTier`).
+        tier: any :class:`~tiers.tier.Tier` (default: a 1 GiB :class:`MemoryTier`); the client
+            owns it from now on (:meth:`close` closes it).
         device: device of tensors returned by ``fetch_layer``.
+        compress: store objects with lz4-compressed layers.
     """
 
     def __init__(self, tier: Tier | None = None, device: str | torch.device = "cpu",
@@ -63,7 +61,12 @@ class LocalCacheClient:
         self.device = torch.device(device)
         self.compress = compress
         self._lock = threading.Lock()
+        #: cumulative event counts since construction (see :meth:`stats`)
         self.counters = {"lookups": 0, "hits": 0, "misses": 0, "read_errors": 0, "puts": 0}
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
 
     def _header(self, key: ChunkKey):
         ranges = self.tier.get_ranges(key, [(0, HEADER_PROBE_BYTES)])
@@ -77,23 +80,29 @@ class LocalCacheClient:
         try:
             return parse_header(buf, expected_key=key)
         except FormatError:
-            self.counters["read_errors"] += 1
+            self._count("read_errors")
             return None
 
     def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
+        """Which keys the tier holds (header read and checked per key); ``tier`` of each
+        :class:`ChunkMeta` is the tier's name. Promotes nothing."""
+        keys = list(keys)
+        for key in keys:
+            _check_key("lookup", key)
         out: list[ChunkMeta | None] = []
         for key in keys:
             h = self._header(key)
-            self.counters["lookups"] += 1
+            self._count("lookups")
             if h is None:
-                self.counters["misses"] += 1
+                self._count("misses")
                 out.append(None)
             else:
-                self.counters["hits"] += 1
+                self._count("hits")
                 out.append(ChunkMeta(key, h.num_tokens, tuple(h.position_list()), self.tier.name))
         return out
 
     def read_layer(self, key: ChunkKey, layer_idx: int) -> torch.Tensor | None:
+        """Layer ``layer_idx`` of one chunk, ``[2, T, H, D]`` on ``device``, or None."""
         h = self._header(key)
         if h is None or not 0 <= layer_idx < h.num_layers:
             return None
@@ -104,27 +113,60 @@ class LocalCacheClient:
         try:
             raw = decode_layer(h, layer_idx, got[0])
         except FormatError:
-            self.counters["read_errors"] += 1
+            self._count("read_errors")
             return None
         return layer_tensor(raw, h.layer_shape, h.dtype).to(self.device)
 
-    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future:
+    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future[list[torch.Tensor | None]]:
+        """:meth:`read_layer` of each key, as a future that is already done.
+
+        Raises:
+            ValueError: ``layer_idx < 0``.
+        """
+        if layer_idx < 0:
+            raise ValueError(f"layer_idx={layer_idx} must be >= 0")
         fut: Future = Future()
         fut.set_result([self.read_layer(k, layer_idx) for k in keys])
         return fut
 
     def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:
-        self.counters["puts"] += 1
+        """Encode ``kv`` ``[L, 2, T, H, D]`` and put it into the tier (first object wins);
+        raises ``TypeError``/``ValueError`` as the protocol says."""
+        _check_key("put", key)
+        self._count("puts")
         self.tier.put(key, encode_kv(key, kv, positions, compress=self.compress))
 
     def flush(self, timeout_s: float = 60.0) -> bool:
+        """True at once: :meth:`put` wrote the tier before returning (a tier with background
+        writes of its own, a :class:`~tiers.stack.TierStack`, is waited for by :meth:`close`)."""
         return True
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """The tier's ``contains``."""
         return self.tier.contains(keys)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """The tier's ``delete``: how many keys were present."""
         return self.tier.delete(keys)
 
     def stats(self) -> dict:
-        return {"client": dict(self.counters), "tiers": {self.tier.name: self.tier.stats()}}
+        """``{'client': {name: count}, 'tiers': {tier name: tier.stats()}}``: ``client`` holds
+        cumulative counts since construction (keys looked up, hit, missed; objects that failed
+        to decode; puts); the tier's stats are its own cumulative counters and its current
+        ``bytes_used``/``capacity_bytes``/``num_chunks`` (see :meth:`tiers.tier.Tier.stats`)."""
+        with self._lock:
+            client = dict(self.counters)
+        return {"client": client, "tiers": {self.tier.name: self.tier.stats()}}
+
+    def close(self) -> None:
+        """Close the tier when it has a ``close`` (a :class:`~tiers.stack.TierStack` flushes
+        its background writes, then stops its threads; Redis and S3 tiers close their
+        connections); memory and disk tiers hold nothing to release."""
+        closer = getattr(self.tier, "close", None)
+        if closer is not None:
+            closer()
+
+
+def _check_key(call: str, key: object) -> None:
+    if not isinstance(key, ChunkKey):
+        raise TypeError(f"{call} expects a ChunkKey, got {type(key).__name__}")

@@ -4,7 +4,7 @@ Every metric is named ``kvblend_*`` here; Ray's exporter prefixes ``ray_`` and a
 ``_total`` to counters, so Prometheus sees e.g. ``ray_kvblend_hits_total``. Tags: ``shard``
 (actor name) and, where it applies, ``tier`` (host, disk, redis, s3). The Grafana dashboard
 ``cluster/grafana/kvblend.json`` queries only names listed in :data:`PROMETHEUS_NAMES`
-(``tests/cluster/test_metrics.py`` checks both directions against a live scrape).
+(``tests/cluster/cache/test_metrics.py`` checks both directions against a live scrape).
 
 Failure behaviour: metrics never raise into the data path; when ``ray.util.metrics`` cannot
 be used (metrics disabled in config) every call is a no-op.

@@ -3,7 +3,7 @@
 HRW (Thaler & Ravishankar, "Using name-based mappings to increase hit rates", IEEE/ACM ToN
 1998): every (shard, key) pair gets a pseudo-random weight ``xxh3_64(shard + "\\0" + key)``;
 the key's owner is the shard with the highest weight. Properties this module relies on and
-``tests/cluster/test_placement.py`` checks:
+``tests/cluster/cache/test_placement.py`` checks:
 
 * every process computes the same owner from the same set of shard names (no coordination,
   no shared state; names are ``kvblend-shard-<node>-<i>`` and survive actor restarts);

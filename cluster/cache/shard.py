@@ -1,9 +1,13 @@
 """The cache shard: a Ray actor owning one node's host and disk tiers, above shared Redis/S3.
 
-One shard per cache node (a node advertising ``shard_resource``; ``shards_per_node`` for
-more), named ``kvblend-shard-<node_id[:8]>-<i>``, detached, in namespace ``ray_namespace``,
-created idempotently (``get_if_exists``) and restarted by Ray (``max_restarts=-1``). Its disk
-directory is ``<disk_path>/<shard name>``, so a restarted actor (same name, same node) finds
+This module is the actor's state and methods (:class:`CacheShard`), the shared tiers that it
+and the client's dead-shard path both open (:func:`make_shared_tiers`) and the lz4
+re-encoding of objects written below memory (:func:`lower_object`). Starting, finding and
+stopping the actors is :mod:`cluster.cache.lifecycle`: one shard per cache node (a node
+advertising ``shard_resource``; ``shards_per_node`` for more), named
+``kvblend-shard-<node_id[:8]>-<i>``, detached, in namespace ``ray_namespace``, created
+idempotently and restarted by Ray. Its disk directory is ``<disk_root>/<shard name>``
+(``disk_path``, else ``<cache_dir>/disk``), so a restarted actor (same name, same node) finds
 its disk chunks again (:class:`tiers.disk.DiskTier` rebuilds its index from the files).
 
 Tiers, top to bottom: ``host`` (a :class:`tiers.host.HostTier` of Ray ``ObjectRef``\\ s) →
@@ -31,7 +35,8 @@ average 7-12 on 2 cores), so these ratios are noisy; rerun to compare.
 
 Memory budget: the object store must hold ``host_size_gib`` plus in-flight puts (each put
 passes its object through the store once). ``kvblend server`` starts Ray with
-``object_store_gib`` set explicitly (default 2 GiB; Ray's own default is 30% of RAM).
+``object_store_gib`` set explicitly (when not configured: the host tiers of the node's shards
+plus headroom; Ray's own default is 30% of RAM).
 
 Failure behaviour: methods never raise for cache faults; a tier error is a miss counted in
 stats and metrics; a corrupted or foreign object (checked by :mod:`tiers.format` /
@@ -58,6 +63,7 @@ from tiers.keys import ChunkKey
 from tiers.reader import read_header, validate_object
 
 log = logging.getLogger("kvblend.shard")
+
 
 def make_shared_tiers(cfg: TiersConfig) -> list:
     """The shared tiers below every shard (Redis, then S3) that ``cfg`` configures.
@@ -104,7 +110,8 @@ def lower_object(obj, header, compression: str) -> bytes | memoryview:
 
 
 class CacheShard:
-    """The shard's state and methods; wrapped as a Ray actor by :func:`start_shards`.
+    """The shard's state and methods; wrapped as a Ray actor by
+    :func:`cluster.cache.lifecycle.start_shards`.
 
     Args:
         name: the actor name (also the disk sub-directory).
@@ -229,7 +236,7 @@ class CacheShard:
 
     # -- actor methods -----------------------------------------------------------------------
     def ready(self) -> dict:
-        """Identity of this shard: name, node id, pid, disk path."""
+        """Identity of this shard: name, node id, pid, disk path, tier names top to bottom."""
         return {"name": self.name, "node_id": self.node_id, "pid": os.getpid(),
                 "disk_path": self.disk.path if self.disk is not None else "",
                 "tiers": [t.name for t in [self.host, *self.lower]]}
@@ -438,7 +445,18 @@ class CacheShard:
         return n
 
     def stats(self) -> dict:
-        """Identity, counters and every tier's ``stats()`` (also published as gauges)."""
+        """A JSON-able snapshot: identity, cumulative counters and every tier's stats.
+
+        Returns:
+            ``{'name', 'node_id', 'pid', 'disk_path'`` (as :meth:`ready`), ``'uptime_s'``
+            (seconds since this actor process started), ``'counters': {name: count}``
+            (cumulative since it started: lookups, misses, ``hits_<tier>``, read_errors, puts,
+            put_rejected, prefetch_started, prefetch_hits, promotions, write_errors),
+            ``'tiers': {tier name: tier.stats()}`` (host first; each tier's own cumulative
+            counters and current ``bytes_used``/``capacity_bytes``/``num_chunks``, or
+            ``{'error': message}``)``}``. ``kvblend status --json`` prints it per shard;
+            the tier stats are also published as gauges every 2 s.
+        """
         tiers = {}
         for tier in [self.host, *self.lower]:
             try:
