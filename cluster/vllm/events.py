@@ -1,18 +1,65 @@
-"""Reading the connector's per-request events (``kv_connector_extra_config["stats_path"]``).
+"""The connector's per-request events: one JSON line per decision, written and read back.
 
-Kept apart from :mod:`cluster.vllm.connector` so that front-end processes (tests, the demo,
-examples) read events without importing vLLM's connector machinery.
+When ``kv_connector_extra_config["stats_path"]`` is set, every connector appends one line per
+decision to that file (:class:`EventLog`): ``{"event": "lookup"|"claim"|"load"|"store",
+"time": ..., "pid": ..., "request_id": ..., ...}``. Front-end processes (tests, the demo,
+examples) read them with :func:`read_events` across vLLM's engine-core process boundary.
+:class:`WarnOnce` is the other half of what a connector reports: one log warning per kind of
+failure, so a dead cache does not flood the log.
+
+Importing this module imports neither vLLM nor torch (front ends import it to read events).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
+from typing import Any
+
+log = logging.getLogger("kvblend.connector")
 
 
-def read_stats(path: str) -> list[dict]:
-    """Events written by connectors to ``stats_path`` (tests, demo)."""
+class EventLog:
+    """One JSON line per event appended to ``path`` (atomic ``O_APPEND`` writes, so the
+    scheduler's and the workers' connectors may share one file). ``path=None``: writes nothing.
+
+    Thread-safe: the worker's I/O thread writes ``store`` events.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        line = json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields},
+                          default=str) + "\n"
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+
+
+class WarnOnce:
+    """Log a warning the first time each kind ``what`` happens (per connector instance)."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def __call__(self, what: str, msg: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
+
+def read_events(path: str) -> list[dict]:
+    """Events written by connectors to ``stats_path`` (tests, demo); ``[]`` before the first."""
     if not os.path.exists(path):
         return []
     with open(path) as fh:
@@ -24,7 +71,7 @@ def wait_for_stores(path: str, count: int, timeout_s: float = 120.0) -> bool:
     background stores finished), so a following request sees the chunks. False on timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if sum(1 for e in read_stats(path) if e.get("event") == "store") >= count:
+        if sum(1 for e in read_events(path) if e.get("event") == "store") >= count:
             return True
         time.sleep(0.05)
     return False

@@ -5,17 +5,18 @@ tokens. A token's place is its **slot**: ``slot = block_id * block_size + offset
 (``slot_mapping`` holds one slot per token). Flat slots survive a kernel block size that
 divides the scheduler's block size, so callers never need the kernel block size.
 
-Layouts supported (``N`` = blocks, ``B`` = block size, ``H`` = KV heads, ``D`` = head dim)::
+Axis letters: ``B`` = blocks (``num_blocks``), ``S`` = slots per block (``block_size``),
+``T`` = tokens (one slot each), ``H`` = KV heads, ``D`` = head dim. Layouts supported::
 
-    cpu         [N, H, B, 2*D]   vLLM 0.32 CPU backend, ISA 'vec' (x86 without AMX): per
-                                 (block, head), K transposed [D, B], then V [B, D] (located
+    cpu         [B, H, S, 2*D]   vLLM 0.32 CPU backend, ISA 'vec' (x86 without AMX): per
+                                 (block, head), K transposed [D, S], then V [S, D] (located
                                  element by element on a live engine; other CPU ISAs tile
                                  differently, so the connector writes through the backend's
                                  own ``do_kv_cache_update`` and uses this layout for reads)
-    packed      [N, H, B, 2*D]   vLLM 0.32 logical per-layer view of the GPU backends
+    packed      [B, H, S, 2*D]   vLLM 0.32 logical per-layer view of the GPU backends
                                  (FlashAttention, FlashInfer): K = [..., :D], V = [..., D:]
-    flash_attn  [2, N, B, H, D]  FlashAttention's classic layout (vLLM <= 0.11)
-    flashinfer  [N, 2, B, H, D]  FlashInfer's classic NHD layout (vLLM <= 0.11)
+    flash_attn  [2, B, S, H, D]  FlashAttention's classic layout (vLLM <= 0.11)
+    flashinfer  [B, 2, S, H, D]  FlashInfer's classic NHD layout (vLLM <= 0.11)
 
 The ``cpu`` and ``packed`` layouts have the same shape: they differ in where a token's V
 lives, so the layout must be named (:func:`detect_layout` asks the platform).
@@ -36,7 +37,7 @@ LAYOUTS = ("cpu", "packed", *GPU_LAYOUTS)
 
 
 def kv_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Strided K and V views of one layer's paged cache, each ``[N, B, H, D]``.
+    """Strided K and V views of one layer's paged cache, each ``[B, S, H, D]``.
 
     Writing into the views writes the cache (no copies).
 
@@ -45,19 +46,19 @@ def kv_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
     """
     if layout in ("cpu", "packed"):
         if cache.dim() != 4 or cache.shape[-1] % 2:
-            raise ValueError(f"layout {layout!r} needs a [N, H, B, 2*D] cache, got {tuple(cache.shape)}")
+            raise ValueError(f"layout {layout!r} needs a [B, H, S, 2*D] cache, got {tuple(cache.shape)}")
         num_blocks, num_heads, block_size, two_d = cache.shape
         if layout == "cpu":
             if not cache.is_contiguous():
                 raise ValueError("the cpu layout needs a contiguous cache")
             head_dim = two_d // 2
-            kv = cache.view(num_blocks, num_heads, 2, block_size * head_dim)     # [N, H, 2, B*D]
-            k_t = kv[:, :, 0].view(num_blocks, num_heads, head_dim, block_size)  # [N, H, D, B]
-            v = kv[:, :, 1].view(num_blocks, num_heads, block_size, head_dim)    # [N, H, B, D]
-            return k_t.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)                # [N, B, H, D]
+            kv = cache.view(num_blocks, num_heads, 2, block_size * head_dim)     # [B, H, 2, S*D]
+            k_t = kv[:, :, 0].view(num_blocks, num_heads, head_dim, block_size)  # [B, H, D, S]
+            v = kv[:, :, 1].view(num_blocks, num_heads, block_size, head_dim)    # [B, H, S, D]
+            return k_t.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)                # [B, S, H, D]
         else:
-            k, v = cache[..., : two_d // 2], cache[..., two_d // 2:]            # [N, H, B, D]
-        return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)                      # [N, B, H, D]
+            k, v = cache[..., : two_d // 2], cache[..., two_d // 2:]            # [B, H, S, D]
+        return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)                      # [B, S, H, D]
     if layout in GPU_LAYOUTS:
         return gpu_kv_views(cache, layout)  # the GPU layouts' views live beside their Triton kernel
     raise ValueError(f"unknown paged KV layout {layout!r}; supported: {', '.join(LAYOUTS)}")

@@ -1,0 +1,114 @@
+"""The connector's counters, and how they reach vLLM's ``/metrics``.
+
+Each connector counts into one :class:`Counters` (cumulative totals, and deltas since vLLM last
+asked). vLLM collects the deltas every engine step from both roles
+(``get_kv_connector_stats`` -> :class:`KVBlendConnectorStats`, summed across the workers and
+the scheduler by ``aggregate``), ships them to the front end, and hands them to
+:class:`KVBlendPromMetrics`, which exports each name of :data:`PROM_COUNTERS` as the Prometheus
+counter ``vllm:kvblend_<name>_total``, labelled per engine like vLLM's own. vLLM's
+``vllm:external_prefix_cache_hits_total`` counts the tokens the connector claimed.
+
+``KVConnectorStats`` is vLLM's term for such a batch of deltas; the connector's per-request
+JSON lines are :mod:`cluster.vllm.events`, a different thing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+#: counter -> help text; exported on vLLM's /metrics as ``vllm:kvblend_<name>`` (Counter,
+#: ``_total`` suffix) by :class:`KVBlendPromMetrics`.
+PROM_COUNTERS: dict[str, str] = {
+    "requests": "requests the connector looked up",
+    "blend_requests": "requests blended (CacheBlend path)",
+    "prefix_requests": "requests served by exact prefix chunks",
+    "segments": "chunk segments of blended requests",
+    "hit_segments": "chunk segments read from the cache",
+    "gpu_hit_segments": "of those, segments the worker's gpu tier held",
+    "claimed_tokens": "prompt tokens the connector produced instead of vLLM",
+    "reused_tokens": "tokens whose cached KV was reused",
+    "selected_tokens": "reused tokens recomputed (selected at the check layer)",
+    "computed_tokens": "tokens computed in every layer (prefix, separators, misses)",
+    "load_wait_s": "seconds the blend engine waited for cached KV",
+    "fallbacks": "requests computed by full prefill after a cache or blend failure",
+    "load_errors": "requests whose KV the connector could not produce (vLLM recomputed them)",
+    "stored_chunks": "chunks stored",
+    "stored_tokens": "tokens stored",
+    "store_skipped": "chunks not stored because already cached",
+    "store_s": "seconds spent computing and storing chunks",
+}
+
+
+class Counters:
+    """One connector's counters (names of :data:`PROM_COUNTERS`), thread-safe: the worker's
+    I/O thread counts stores while the worker thread counts loads.
+
+    ``totals`` holds the cumulative values (``KVBlendConnector.counters``);
+    :meth:`take_interval` returns and resets the deltas since its last call.
+    """
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = dict.fromkeys(PROM_COUNTERS, 0)
+        self._interval: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def bump(self, **deltas: float) -> None:
+        """Add ``deltas`` (name -> amount) to the totals and to the current interval.
+
+        Raises:
+            KeyError: a name not in :data:`PROM_COUNTERS` (our own bug).
+        """
+        with self._lock:
+            for name, value in deltas.items():
+                self.totals[name] += value
+                self._interval[name] = self._interval.get(name, 0) + value
+
+    def take_interval(self) -> dict[str, float]:
+        """Deltas since the previous call (``{}`` when nothing was counted)."""
+        with self._lock:
+            data, self._interval = self._interval, {}
+        return data
+
+
+class KVBlendConnectorStats(KVConnectorStats):
+    """Counter deltas (``data``: name -> number, keys of :data:`PROM_COUNTERS`)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVBlendConnectorStats:
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVBlendPromMetrics(KVConnectorPromMetrics):
+    """Our counters on vLLM's ``/metrics`` (one Counter per :data:`PROM_COUNTERS` entry,
+    labelled per engine like vLLM's own)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, doc in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=f"vllm:kvblend_{name}", documentation=f"kvblend: {doc}",
+                                        labelnames=labelnames)
+            self._counters[name] = {idx: counter.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in (transfer_stats_data or {}).items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and engine_idx in per_engine and value > 0:
+                per_engine[engine_idx].inc(value)

@@ -1,0 +1,80 @@
+"""What users set on the connector beyond our config: connector-only extra-config keys and
+per-request ``kv_transfer_params``.
+
+``kv_connector_extra_config`` holds our config's field names (:func:`cluster.config.load_config`
+reads them) plus the connector-only keys of :data:`CONNECTOR_ONLY_KEYS`, which
+:meth:`ConnectorOptions.pop_from` takes out and validates first:
+
+* ``stats_path`` (str) — where :class:`cluster.vllm.events.EventLog` appends its JSON lines;
+* ``store_tokens_per_step`` (int >= 1, default :data:`STORE_TOKENS_PER_STEP`) — tokens of
+  canonical-KV compute per engine step (bounds the stall of a decode step);
+* ``load_async`` (bool, default True) — blends take vLLM's async-load path;
+* ``load_step_s`` (float seconds > 0, default :data:`LOAD_STEP_S`) — async blend work per
+  engine step that also runs other requests.
+
+Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` with the keys of
+:data:`REQUEST_PARAMS` (:func:`request_params` reads them; unknown ``kvblend*`` keys are
+ignored with one warning each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: kv_connector_extra_config keys that are not config fields.
+CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step", "load_async", "load_step_s")
+#: per-request kv_transfer_params understood by the connector.
+REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store",
+                  "kvblend_load_async")
+#: default tokens of canonical-KV compute per engine step (bounds the stall of a decode step).
+STORE_TOKENS_PER_STEP = 512
+#: default seconds of async blend work per engine step that also runs other requests.
+LOAD_STEP_S = 0.1
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector-only keys of ``kv_connector_extra_config`` (see the module docstring)."""
+
+    stats_path: str | None = None
+    store_tokens_per_step: int = STORE_TOKENS_PER_STEP
+    load_async: bool = True
+    load_step_s: float = LOAD_STEP_S
+
+    @classmethod
+    def pop_from(cls, extra: dict[str, Any]) -> ConnectorOptions:
+        """Take the connector-only keys out of ``extra`` (what remains is config overrides).
+
+        Raises:
+            ValueError: a malformed value, naming the key and the value.
+        """
+        stats_path = extra.pop("stats_path", None)
+        store_tokens_per_step = int(extra.pop("store_tokens_per_step", STORE_TOKENS_PER_STEP))
+        if store_tokens_per_step < 1:
+            raise ValueError(f"kv_connector_extra_config store_tokens_per_step="
+                             f"{store_tokens_per_step}: must be >= 1")
+        load_async = extra.pop("load_async", True)
+        if not isinstance(load_async, bool):
+            raise ValueError(f"kv_connector_extra_config load_async={load_async!r}: must be true or false")
+        load_step_s = float(extra.pop("load_step_s", LOAD_STEP_S))
+        if not load_step_s > 0:
+            raise ValueError(f"kv_connector_extra_config load_step_s={load_step_s}: must be > 0 seconds")
+        return cls(stats_path, store_tokens_per_step, load_async, load_step_s)
+
+
+def request_params(request, warn: Callable[..., None]) -> dict[str, Any]:
+    """The :data:`REQUEST_PARAMS` of ``request.kv_transfer_params`` (vLLM copies them from
+    ``SamplingParams.extra_args["kv_transfer_params"]``); other ``kvblend*`` keys are
+    reported through ``warn(what, msg, *args)`` and ignored, other keys ignored silently
+    (they may be another connector's)."""
+    params = dict(getattr(request, "kv_transfer_params", None) or {})
+    out = {}
+    for k, v in params.items():
+        if k in REQUEST_PARAMS:
+            out[k] = v
+        elif k.startswith("kvblend"):
+            warn(f"param:{k}", "kvblend: unknown kv_transfer_params key %r ignored "
+                 "(known: %s)", k, ", ".join(REQUEST_PARAMS))
+    return out

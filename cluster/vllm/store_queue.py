@@ -1,0 +1,217 @@
+"""The worker half's stores: a queue of canonical-KV computes, and puts on an I/O thread.
+
+A chunk segment is stored as its *canonical* KV (standalone, positions ``0..n-1``), which the
+prompt that brought it never computed (there it sat after other segments). Computing it runs
+the model, so it happens on the worker's own thread, never concurrently with vLLM (vLLM's CPU
+GEMMs share oneDNN scratch memory, so a second thread running the model corrupts both), and
+never in the step that computes the request's own prompt, so it never delays a first token:
+
+* :meth:`StoreQueue.add` queues a request's segments (FIFO by request);
+* :meth:`StoreQueue.drain`, called from ``wait_for_save`` of later steps, computes about
+  ``budget_tokens`` of them per step (a whole segment at least); steps with prefill tokens skip
+  the queue unless its oldest item waited :data:`STORE_MAX_DEFER_S`; one batched ``contains``
+  per request first drops the segments another process already stored;
+* the puts, flushes and the ``store`` event of each request go to a one-thread pool
+  (``kvblend-store-io``) that never runs the model;
+* :meth:`StoreQueue.finished_sending` reports requests whose segments are all computed and
+  that vLLM has finished, so vLLM can free the blocks ``request_finished`` held.
+
+Prefix chunks need no compute (their KV is in the paged cache after the forward): the worker
+gathers them and :meth:`StoreQueue.put_prefix` puts them on the same I/O thread.
+Failure behaviour: a failed compute or put is a future miss, recorded in the ``store`` event's
+``error`` and warned about once; nothing here raises into vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from cluster.vllm.events import EventLog, WarnOnce
+from cluster.vllm.metrics import Counters
+
+if TYPE_CHECKING:
+    from tiers.keys import ChunkKey
+
+#: a store queued longer than this (seconds) is computed even in a step with prefill tokens.
+STORE_MAX_DEFER_S = 2.0
+
+
+@dataclass
+class _PendingStore:
+    """Canonical segments of one request still to compute and put."""
+
+    request_id: str
+    segments: deque = field(default_factory=deque)   # (ChunkKey, token ids)
+    enqueued_s: float = 0.0
+    finished: bool = False      # vLLM finished the request (its id came in finished_req_ids)
+    stored: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class StoreQueue:
+    """Store work of one worker (see the module docstring).
+
+    Args:
+        client: the cache client (``contains``, ``put``, ``flush``); None: nothing is stored.
+        canonical_kv: token ids -> their canonical KV ``[L, 2, T, H, D]`` on the CPU; runs the
+            model, so it is only called from :meth:`drain` (the worker's thread).
+        remember: ``(key, kv)`` after a segment's KV is computed (the worker's gpu tier).
+        counters, events, warn: where stores are reported.
+        thread_initializer: run at the start of the I/O thread
+            (:func:`cluster.vllm.affinity.unpin_thread` in a vLLM CPU worker).
+    """
+
+    def __init__(self, client, *, canonical_kv: Callable[[list[int]], torch.Tensor],
+                 remember: Callable[[ChunkKey, torch.Tensor], None], counters: Counters,
+                 events: EventLog, warn: WarnOnce, thread_initializer: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self._canonical_kv = canonical_kv
+        self._remember = remember
+        self._counters = counters
+        self._events = events
+        self._warn = warn
+        self._thread_initializer = thread_initializer
+        self._io_pool: ThreadPoolExecutor | None = None   # puts only; never runs the model
+        self._io_futures: list = []
+        self._queue: OrderedDict[str, _PendingStore] = OrderedDict()  # FIFO by request
+        self._done: set[str] = set()          # all segments computed, waiting for vLLM's finish
+        self._finished_ids: set[str] = set()  # finished by vLLM while their store was pending
+
+    def add(self, request_id: str, segments: list[tuple[ChunkKey, tuple[int, ...]]], now: float) -> None:
+        """Queue canonical ``segments`` ``(key, token ids)`` of a request (``now``: monotonic s)."""
+        pend = self._queue.get(request_id)
+        if pend is None:
+            pend = self._queue[request_id] = _PendingStore(request_id, enqueued_s=now)
+        pend.segments.extend(segments)
+
+    def drain(self, has_prefill: bool, budget_tokens: int | None) -> None:
+        """Compute queued canonical segments, oldest request first, about ``budget_tokens``
+        tokens (at least one segment; ``None``: everything). In a step with prefill tokens
+        (or async loads) only work older than :data:`STORE_MAX_DEFER_S` runs."""
+        if not self._queue:
+            return
+        oldest = next(iter(self._queue.values()))
+        if has_prefill and time.monotonic() - oldest.enqueued_s < STORE_MAX_DEFER_S:
+            return
+        spent = 0
+        while self._queue and (budget_tokens is None or spent < budget_tokens):
+            pend = next(iter(self._queue.values()))
+            if pend.segments and pend.stored == pend.skipped == 0 and pend.error is None:
+                self._drop_present(pend)
+            if pend.segments:
+                key, ids = pend.segments.popleft()
+                spent += self._store_segment(pend, key, ids)
+            if not pend.segments:
+                del self._queue[pend.request_id]
+                self._done.add(pend.request_id)
+                self._io_submit(self._finish_store, pend)
+
+    def _drop_present(self, pend: _PendingStore) -> None:
+        """One batched ``contains`` for a request's segments: skip those already cached."""
+        try:
+            present = self.client.contains([k for k, _ in pend.segments])
+        except Exception as e:  # noqa: BLE001 - unknown: compute them (put is idempotent)
+            self._warn("contains", "kvblend: contains failed (%s: %s)", type(e).__name__, e)
+            return
+        keep = deque(item for item, have in zip(pend.segments, present, strict=True) if not have)
+        pend.skipped += len(pend.segments) - len(keep)
+        pend.segments = keep
+
+    def _store_segment(self, pend: _PendingStore, key: ChunkKey, ids: tuple[int, ...]) -> int:
+        """Canonical KV of one segment (``engine.prefill`` at positions ``0..n-1``), handed to
+        the I/O thread. Returns the tokens computed. Errors are recorded, never raised."""
+        start = time.perf_counter()
+        try:
+            kv = self._canonical_kv(list(ids))  # [L, 2, T, H, D]
+            if not bool(torch.isfinite(kv).all()):
+                raise RuntimeError(f"non-finite canonical KV for {key}; not stored")
+            self._io_submit(self.client.put, key, kv)
+            self._remember(key, kv)
+            pend.stored += 1
+            pend.tokens += len(ids)
+        except Exception as e:  # noqa: BLE001 - a failed store is a future miss
+            pend.error = f"{type(e).__name__}: {e}"
+            self._warn("store", "kvblend: store for request %s failed (%s)", pend.request_id, pend.error)
+        pend.seconds += time.perf_counter() - start
+        return len(ids)
+
+    def put_prefix(self, request_id: str, prefix: list[tuple[ChunkKey, torch.Tensor]]) -> None:
+        """Put gathered prefix chunks ``(key, kv[L, 2, T, H, D])`` on the I/O thread."""
+        self._io_submit(self._put_prefix, request_id, prefix)
+
+    def _io_submit(self, fn, *args) -> None:
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store-io",
+                                               initializer=self._thread_initializer)
+        self._io_futures = [f for f in self._io_futures if not f.done()]
+        self._io_futures.append(self._io_pool.submit(fn, *args))
+
+    def _finish_store(self, pend: _PendingStore) -> None:
+        """I/O thread, after the request's puts (FIFO): flush, count, one ``store`` event."""
+        error = pend.error
+        try:
+            if pend.stored and not self.client.flush(timeout_s=60.0):
+                error = error or "flush timed out"
+        except Exception as e:  # noqa: BLE001
+            error = error or f"{type(e).__name__}: {e}"
+        self._count_store(pend.request_id, pend.stored, pend.skipped, pend.tokens, pend.seconds, error)
+
+    def _put_prefix(self, request_id: str, prefix) -> None:
+        """I/O thread: put gathered prefix chunks ``(key, kv[L, 2, T, H, D])``, flush, count."""
+        start = time.perf_counter()
+        stored = tokens = 0
+        error = None
+        try:
+            for key, kv in prefix:
+                self.client.put(key, kv.cpu(), positions=None)
+                stored += 1
+                tokens += kv.shape[2]
+            if stored and not self.client.flush(timeout_s=60.0):
+                error = "flush timed out"
+        except Exception as e:  # noqa: BLE001 - a failed store is a future miss
+            error = f"{type(e).__name__}: {e}"
+            self._warn("store", "kvblend: store for request %s failed (%s)", request_id, error)
+        self._count_store(request_id, stored, 0, tokens, time.perf_counter() - start, error)
+
+    def _count_store(self, request_id, stored, skipped, tokens, seconds, error) -> None:
+        self._counters.bump(stored_chunks=stored, stored_tokens=tokens, store_skipped=skipped, store_s=seconds)
+        self._events.write("store", request_id=request_id, stored=stored, skipped=skipped,
+                           tokens=tokens, seconds=seconds, error=error)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests finished by vLLM (in this call or an earlier one) whose canonical segments
+        are all computed (their puts may continue on the I/O thread)."""
+        held = set(self._queue) | self._done
+        self._finished_ids |= set(finished_req_ids) & held
+        done = {r for r in self._finished_ids if r in self._done}
+        self._finished_ids -= done
+        self._done -= done
+        return done
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Compute every queued store and wait for the puts; True when all finished within
+        ``timeout_s``. Runs the model: call it only on the worker's own thread, where vLLM is
+        not running the model."""
+        deadline = time.monotonic() + timeout_s
+        self.drain(False, None)
+        for f in list(self._io_futures):
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001
+                return False
+        return self.client.flush(timeout_s=max(0.0, deadline - time.monotonic())) if self.client else True
+
+    def shutdown(self) -> None:
+        """Stop the I/O thread once its queued puts are done (does not wait for them)."""
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=False)
