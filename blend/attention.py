@@ -7,11 +7,12 @@ queries sit at scattered prompt positions and each must see exactly the keys at 
     keys:      0 1 2 3 4 5 6 7 8 9          mask row for the query at position 4:
     query 4 -> x x x x x . . . . .          True for 0..4, False for 5..9
 
-:func:`attend` takes the selected rows in position order, in blocks of :data:`QUERY_BLOCK`,
-builds a ``[Qb, Tb]`` boolean mask per block (``Tb`` = the block's last position + 1, so keys
-no row of the block may see are never read) and calls torch's SDPA (grouped-query heads via
-``enable_gqa``); :func:`attend_reference` is the slow dense
+:func:`blocked_row_attention` takes the selected rows in position order, in blocks of
+:data:`QUERY_BLOCK`, builds a ``[Qb, Tb]`` boolean mask per block (``Tb`` = the block's last
+position + 1, so keys no row of the block may see are never read) and calls torch's SDPA
+(grouped-query heads via ``enable_gqa``); :func:`dense_attention_reference` is the slow dense
 reference (full ``[T, T]`` causal mask, explicit float64 softmax) that tests compare against.
+It is the engine's attention off CUDA (:func:`blend.ops.causal_attention` dispatches to it).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.T
         raise ValueError(f"query_idx must be [{q.shape[0]}], got {tuple(query_idx.shape)}")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
-           scale: float, rows: object = None) -> torch.Tensor:
+def blocked_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
+                          scale: float, rows: object = None) -> torch.Tensor:
     """Causal attention of query rows at prompt positions ``query_idx`` over all keys.
 
     Args:
@@ -48,7 +49,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.T
             ``0..T-1`` in order (plain causal prefill).
         scale: softmax scale (``head_dim ** -0.5`` for these models).
         rows: ignored; accepted so that this reference is a drop-in for
-            :func:`blend.ops.attend`, which takes the mask prepared by :func:`blend.ops.prepare_rows`.
+            :func:`blend.ops.causal_attention`, which takes the mask prepared by
+            :func:`blend.ops.prepare_rows`.
 
     Shapes:
         q: ``[Q, Hq, D]``; k, v: ``[T, H, D]``; query_idx: ``[Q]`` int64 in ``[0, T)``.
@@ -82,10 +84,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.T
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [Q, Hq * D]
 
 
-def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
-    """Dense reference of :func:`attend`: scores for all ``[T, T]`` pairs under a full causal
-    mask in float64, then the rows of ``query_idx`` are picked. Same shapes and errors."""
+def dense_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
+                              scale: float) -> torch.Tensor:
+    """Dense reference of :func:`blocked_row_attention`: scores for all ``[T, T]`` pairs under a
+    full causal mask in float64, then the rows of ``query_idx`` are picked. Same shapes and errors."""
     _check(q, k, v, query_idx)
     num_tokens = k.shape[0]
     if query_idx is None:

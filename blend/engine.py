@@ -18,19 +18,20 @@ background thread before layer ``l`` is computed, so loading overlaps compute (Â
 below the first check layer never need the cache. A chunk whose layer cannot be read (None
 from the source, wrong shape) turns the request into full prefill, never a failure.
 
-Per layer above the first check layer the engine allocates one ``[2, N, H, D]`` buffer, puts
+Per layer above the first check layer the engine allocates one ``[2, T, H, D]`` buffer, puts
 the hit chunks into their rows (K re-rotated in place by :func:`blend.ops.rerotate_k_`), scores and
-selects at check layers straight from that buffer (:func:`blend.ops.k_deviation_scores`,
-:func:`blend.ops.select_top`), writes the computed rows over it and attends over it
-(:func:`blend.ops.attend`; on CUDA with one block mask built at the last check layer). That
+selects at check layers straight from that buffer (:func:`blend.ops.deviation_scores`,
+:func:`blend.ops.select_top_ratio`), writes the computed rows over it and attends over it
+(:func:`blend.ops.causal_attention`; on CUDA with one block mask built at the last check layer). That
 buffer is the layer's result: no other pass over the layer's KV. The fast paths dispatch to
 Triton/FlexAttention on CUDA and to the plain-torch references elsewhere (issue 9: the engine
 was CPU-bound below 16K tokens on an H200, ~2.5 ms of launches and copies per layer).
 With a ``process_group`` (tensor parallelism by KV heads, issue 10) the check layer's scores are
 summed over the ranks before top-k, so every rank selects the same rows.
 
-Axis letters: T = N prompt tokens blended, R reused rows, A computed rows, H KV heads,
-Hq query heads, D head dim, E hidden, V vocab.
+Axis letters: T prompt tokens blended (``blend_end``), Rh rows of hit chunks, Rc reused rows
+computed at a check layer, A computed rows, H KV heads, Hq query heads, D head dim, E hidden,
+V vocab.
 """
 
 from __future__ import annotations
@@ -39,15 +40,17 @@ import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from blend import ops
-from blend.ops import attend
-from blend.plan import CHUNK, BlendPlan
+from blend.ops import causal_attention
+from blend.plan import CHUNK, BlendPlan, Segment
 from blend.protocols import BlendModel, KVSource
+from blend.result import BlendCounters, BlendResult
 from blend.rope import check_blendable, inv_freq_for
+from tiers.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 
@@ -57,52 +60,6 @@ PREFETCH_DEPTH = 2
 SCORES = ("k", "v", "kv")
 
 OnLayer = Callable[[int, torch.Tensor], None]
-
-
-@dataclass
-class BlendCounters:
-    """What one request did (plain numbers; the connector turns them into metrics).
-
-    Attributes:
-        num_segments: chunk segments in ``[0, blend_end)``.
-        num_hit_segments: of those, cached and used (0 when the request fell back to prefill).
-        reused_tokens: tokens whose KV could come from the cache (hit rows; the last row is
-            always computed when logits are wanted).
-        computed_tokens: the other tokens (prefix, separators, missed chunks, query), computed
-            in every layer.
-        selected_tokens: reused tokens chosen at the last check layer.
-        recomputed_tokens_per_layer: rows computed in each layer (``N`` up to the first check layer).
-        load_wait_s: time the engine waited for the source.
-        compute_s: the rest of the request's wall time.
-        full_prefill_reason: why the request was computed by full prefill (None when blended).
-    """
-
-    num_segments: int = 0
-    num_hit_segments: int = 0
-    reused_tokens: int = 0
-    computed_tokens: int = 0
-    selected_tokens: int = 0
-    recomputed_tokens_per_layer: list[int] = field(default_factory=list)
-    load_wait_s: float = 0.0
-    compute_s: float = 0.0
-    full_prefill_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class BlendResult:
-    """Output of one request.
-
-    Attributes:
-        kv: per layer ``[2, N, H, D]`` (K then V) in the model dtype, K rotated at 0..N-1.
-        logits: ``[V]`` float32 next-token logits after token ``N-1`` (None unless wanted).
-        recompute_idx: ``[A]`` int64 prompt indices computed above the last check layer.
-        counters: what the request did.
-    """
-
-    kv: list[torch.Tensor]
-    logits: torch.Tensor | None
-    recompute_idx: torch.Tensor
-    counters: BlendCounters
 
 
 def run_steps(steps: Generator[int, None, BlendResult]) -> BlendResult:
@@ -135,6 +92,30 @@ def _timed(steps: Generator[int, None, BlendResult], spent: list[float]) -> Gene
 
 class _Fallback(Exception):
     """A hit chunk's layer could not be read: recompute the request."""
+
+
+@dataclass(frozen=True)
+class _RequestRows:
+    """One request's row bookkeeping (:meth:`BlendEngine._request_rows`), on the model's device.
+
+    Attributes:
+        hits: the hit chunk segments inside ``[0, blend_end)``; keys: their chunk keys.
+        hit_rows: ``[Rh]`` int64 prompt rows covered by hit chunks, ascending.
+        stored_pos: ``[Rh]`` int64 positions their cached K was rotated at.
+        is_reused: ``[T]`` bool rows whose KV may stay cached (hit rows minus the logits row).
+        num_reused: ``is_reused.sum()``, the count the recompute ratio applies to.
+        forced: ``[T]`` bool rows named by ``plan.forced_recompute`` (None: select by score).
+        inv_freq: ``[D/2]`` float32 RoPE frequencies for re-rotation (None without hits).
+    """
+
+    hits: list[Segment]
+    keys: list[ChunkKey]
+    hit_rows: torch.Tensor
+    stored_pos: torch.Tensor
+    is_reused: torch.Tensor
+    num_reused: int
+    forced: torch.Tensor | None
+    inv_freq: torch.Tensor | None
 
 
 class BlendEngine:
@@ -209,7 +190,7 @@ class BlendEngine:
               on_layer: OnLayer | None = None) -> BlendResult:
         """Blend tokens ``[0, plan.blend_end)`` per the plan.
 
-        ``on_layer(layer_idx, kv)`` (kv ``[2, N, H, D]``) is called as soon as each layer's
+        ``on_layer(layer_idx, kv)`` (kv ``[2, T, H, D]``) is called as soon as each layer's
         final KV is known. If ``plan.full_prefill_reason`` is set, or a hit chunk's layer
         cannot be fetched, the engine computes full prefill of ``[0, blend_end)`` instead and
         says so in the counters (``num_hit_segments=0``, ``reused_tokens=0``,
@@ -305,13 +286,13 @@ class BlendEngine:
         device = model.device
         ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, device=device)
-        hidden, residual = model.embed(ids), None  # [N, E]
+        hidden, residual = model.embed(ids), None  # [T, E]
         kv_layers: list[torch.Tensor] = []
         for layer_idx in range(self.spec.num_layers):
             q, k, v, residual = model.qkv(layer_idx, hidden, residual, positions)
-            attn_out = attend(q, k, v, None, self.scale)  # [N, Hq * D]
+            attn_out = causal_attention(q, k, v, None, self.scale)  # [T, Hq * D]
             hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
-            kv = torch.stack((k, v))  # [2, N, H, D]
+            kv = torch.stack((k, v))  # [2, T, H, D]
             kv_layers.append(kv)
             counters.recomputed_tokens_per_layer.append(num_tokens)
             if on_layer is not None:
@@ -326,12 +307,12 @@ class BlendEngine:
         ``kv[:, cached_idx]`` (see ``score``), summed over this rank's KV heads and then over
         the ranks of ``process_group`` (so every rank ranks the same numbers)."""
         if self.score == "k":
-            scores = ops.k_deviation_scores(k, kv[0], fresh_idx, cached_idx)
+            scores = ops.deviation_scores(k, kv[0], fresh_idx, cached_idx)
         elif self.score == "v":
-            scores = ops.k_deviation_scores(v, kv[1], fresh_idx, cached_idx)
+            scores = ops.deviation_scores(v, kv[1], fresh_idx, cached_idx)
         else:
-            scores = (ops.k_deviation_scores(k, kv[0], fresh_idx, cached_idx)
-                      + ops.k_deviation_scores(v, kv[1], fresh_idx, cached_idx))
+            scores = (ops.deviation_scores(k, kv[0], fresh_idx, cached_idx)
+                      + ops.deviation_scores(v, kv[1], fresh_idx, cached_idx))
         if self.process_group is not None:
             torch.distributed.all_reduce(scores, op=torch.distributed.ReduceOp.SUM, group=self.process_group)
         return scores
@@ -355,18 +336,11 @@ class BlendEngine:
             log.warning("fetch of layer %d failed (%s: %s)", layer_idx, type(e).__name__, e)
             return None
 
-    def _blend(self, plan: BlendPlan, want_logits: bool, on_layer: OnLayer | None,
-               counters: BlendCounters) -> Generator[int, None, BlendResult]:
-        model, spec = self.model, self.spec
-        device, dtype = model.device, model.dtype
-        num_tokens = plan.blend_end
-        shape = (num_tokens, spec.num_kv_heads, spec.head_dim)
+    def _request_rows(self, plan: BlendPlan, want_logits: bool, counters: BlendCounters) -> _RequestRows:
+        """Step 1 of :meth:`_blend`: which rows are hit, reused and forced, built once on the host
+        and moved to the device once; fills the counters' hit/reused/computed numbers."""
+        num_tokens, device = plan.blend_end, self.model.device
         hits = [s for s in plan.hit_segments if s.end <= num_tokens]
-        keys = [s.key for s in hits]
-        # Per-request bookkeeping, built once on the host and moved to the device once.
-        #   hit_rows   [Rh] int64: prompt rows covered by hit chunks, ascending
-        #   stored_pos [Rh] int64: positions their cached K was rotated at
-        #   is_reused  [N] bool: rows whose KV may stay cached (hit rows minus the logits row)
         hit_rows = torch.cat([torch.arange(s.start, s.end) for s in hits]) if hits \
             else torch.zeros(0, dtype=torch.int64)
         stored_pos = torch.tensor([p for s in hits for p in s.stored_positions], dtype=torch.int64)
@@ -380,93 +354,118 @@ class BlendEngine:
         counters.num_hit_segments = len(hits)
         counters.reused_tokens = num_reused
         counters.computed_tokens = num_tokens - num_reused
-        forced_d = None
+        forced = None
         if plan.forced_recompute is not None:
             forced = torch.zeros(num_tokens, dtype=torch.bool)
-            idx = torch.tensor([i for i in plan.forced_recompute if 0 <= i < num_tokens], dtype=torch.int64)
-            forced[idx] = True
-            forced_d = forced.to(device)
+            forced[torch.tensor([i for i in plan.forced_recompute if 0 <= i < num_tokens], dtype=torch.int64)] = True
+            forced = forced.to(device)
+        return _RequestRows(hits, [s.key for s in hits], hit_rows.to(device), stored_pos.to(device),
+                            is_reused.to(device), num_reused, forced,
+                            self._inv_freq_on(device) if hits else None)
+
+    def _request_layer(self, rows: _RequestRows, pending: dict[int, Future], layer_idx: int,
+                       first_check: int) -> None:
+        """Step 2 of :meth:`_blend`: ask the fetch thread for ``layer_idx`` of the hit chunks
+        (started on first use), unless no layer is needed: no hits, below the first check
+        layer, past the model, or already asked for."""
+        if rows.keys and first_check <= layer_idx < self.spec.num_layers and layer_idx not in pending:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-fetch",
+                                                initializer=self._fetch_thread_initializer)
+            pending[layer_idx] = self._pool.submit(self._fetch, rows.keys, layer_idx)
+
+    def _cached_layer(self, rows: _RequestRows, pending: dict[int, Future], layer_idx: int,
+                      counters: BlendCounters) -> torch.Tensor:
+        """Step 3 of :meth:`_blend`: this layer's KV buffer ``[2, T, H, D]``. Hit rows hold the
+        cached K (re-rotated to the prompt positions) and V; other rows are uninitialized
+        (every one of them is computed, and the caller writes it over the buffer).
+
+        Raises:
+            _Fallback: a hit chunk's layer could not be read (here or on another rank).
+        """
+        spec, model = self.spec, self.model
+        kv = torch.empty((2, rows.is_reused.shape[0], spec.num_kv_heads, spec.head_dim), dtype=model.dtype,
+                         device=model.device)  # [2, T, H, D]
+        if not rows.keys:
+            return kv
+        t0 = time.perf_counter()
+        got = pending.pop(layer_idx).result()
+        counters.load_wait_s += time.perf_counter() - t0
+        why = None
+        if got is None or len(got) != len(rows.hits):
+            why = f"layer {layer_idx} of the cached chunks could not be read"
+        else:
+            for seg, chunk_kv in zip(rows.hits, got, strict=True):
+                want = (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim)
+                if chunk_kv is None or tuple(chunk_kv.shape) != want:
+                    why = (f"layer {layer_idx} of chunk {seg.key} could not be read ("
+                           f"{'missing' if chunk_kv is None else f'shape {tuple(chunk_kv.shape)} != {want}'})")
+                    break
+        if not self._all_ranks_ok(why is None):
+            raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank")
+        # One cat and one scatter rather than a copy per chunk: per-layer host overhead is
+        # what bounds the engine below 16K tokens (issue 9). Dispatch alone (tiny tensors,
+        # one CPU thread, 2026-11-29): 8 (64) chunk copies 84 (514) us, cat + index_put
+        # 19 (45) us; the price is one more pass over the hit rows (estimated ~7 us at 4K
+        # tokens of the 7B shape: 32 MiB read and written at H200 bandwidth).
+        stored = torch.cat(got, dim=1).to(device=model.device, dtype=model.dtype)  # [2, Rh, H, D]
+        ops.rerotate_k_(stored[0], rows.stored_pos, rows.hit_rows, rows.inv_freq)  # in place
+        kv[:, rows.hit_rows] = stored
+        return kv
+
+    def _select(self, plan: BlendPlan, rows: _RequestRows, layer_idx: int, active: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters) -> torch.Tensor:
+        """Step 4 of :meth:`_blend`, at a check layer: ``[A']`` indices into ``active`` of the rows
+        computed above it: every non-reused row plus the reused rows selected by deviation of
+        fresh ``k``/``v`` ``[A, H, D]`` from the cached rows of ``kv`` (scored before the fresh
+        rows overwrite them), or those ``plan.forced_recompute`` names."""
+        i = plan.check_layers.index(layer_idx)
+        cand_local = torch.nonzero(rows.is_reused[active]).flatten()  # reused rows computed here
+        if rows.forced is not None:
+            sel_local = cand_local[rows.forced[active[cand_local]]]
+        else:
+            scores = self._scores(k, v, kv, cand_local, active[cand_local])  # [Rc]
+            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
+            sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
+                                             num_reused=rows.num_reused)
+        keep = ~rows.is_reused[active]
+        keep[sel_local] = True
+        counters.selected_tokens = int(sel_local.numel())
+        return torch.nonzero(keep).flatten()  # [A'] into active
+
+    def _blend(self, plan: BlendPlan, want_logits: bool, on_layer: OnLayer | None,
+               counters: BlendCounters) -> Generator[int, None, BlendResult]:
+        """The blend itself, a step per layer (see the module docstring): request rows, then per
+        layer the fetch ahead, the cached layer, the selection at check layers and the
+        attention of the computed rows over the mixed KV."""
+        model, num_tokens = self.model, plan.blend_end
+        rows = self._request_rows(plan, want_logits, counters)
         check_layers = list(plan.check_layers)
         first_check, last_check = check_layers[0], max(check_layers)
-        is_reused_d, hit_rows_d, stored_pos_d = is_reused.to(device), hit_rows.to(device), stored_pos.to(device)
-        inv_freq_d = self._inv_freq_on(device) if keys else None
-
         pending: dict[int, Future] = {}
-
-        def request(layer_idx: int) -> None:
-            if keys and first_check <= layer_idx < spec.num_layers and layer_idx not in pending:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-fetch",
-                                                    initializer=self._fetch_thread_initializer)
-                pending[layer_idx] = self._pool.submit(self._fetch, keys, layer_idx)
-
-        def cached_layer(layer_idx: int) -> torch.Tensor:
-            """This layer's KV buffer ``[2, N, H, D]``: hit rows hold the cached K (re-rotated
-            to the prompt positions) and V; other rows are uninitialized (every one of them
-            is computed, and the caller writes it over the buffer)."""
-            kv = torch.empty((2, *shape), dtype=dtype, device=device)  # [2, N, H, D]
-            if not keys:
-                return kv
-            t0 = time.perf_counter()
-            got = pending.pop(layer_idx).result()
-            counters.load_wait_s += time.perf_counter() - t0
-            why = None
-            if got is None or len(got) != len(hits):
-                why = f"layer {layer_idx} of the cached chunks could not be read"
-            else:
-                for seg, chunk_kv in zip(hits, got, strict=True):
-                    want = (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim)
-                    if chunk_kv is None or tuple(chunk_kv.shape) != want:
-                        why = (f"layer {layer_idx} of chunk {seg.key} could not be read ("
-                               f"{'missing' if chunk_kv is None else f'shape {tuple(chunk_kv.shape)} != {want}'})")
-                        break
-            if not self._all_ranks_ok(why is None):
-                raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank")
-            # One cat and one scatter rather than a copy per chunk: per-layer host overhead is
-            # what bounds the engine below 16K tokens (issue 9). Dispatch alone (tiny tensors,
-            # one CPU thread, 2026-11-29): 8 (64) chunk copies 84 (514) us, cat + index_put
-            # 19 (45) us; the price is one more pass over the hit rows (estimated ~7 us at 4K
-            # tokens of the 7B shape: 32 MiB read and written at H200 bandwidth).
-            stored = torch.cat(got, dim=1).to(device=device, dtype=dtype)  # [2, Rh, H, D]
-            ops.rerotate_k_(stored[0], stored_pos_d, hit_rows_d, inv_freq_d)  # in place
-            kv[:, hit_rows_d] = stored
-            return kv
-
-        ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=device)
-        positions = torch.arange(num_tokens, device=device)
-        request(first_check)
-        hidden, residual = model.embed(ids), None  # [N, E]
+        ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=model.device)
+        positions = torch.arange(num_tokens, device=model.device)
+        self._request_layer(rows, pending, first_check, first_check)
+        hidden, residual = model.embed(ids), None  # [T, E]
         active = positions  # [A] rows computed in this layer, ascending
-        rows = None         # the final rows' attention mask (CUDA), built at the last check layer
+        row_mask = None     # the final rows' attention mask (CUDA), built at the last check layer
         kv_layers: list[torch.Tensor] = []
         try:
-            for layer_idx in range(spec.num_layers):
+            for layer_idx in range(self.spec.num_layers):
                 for ahead in range(1, PREFETCH_DEPTH + 1):
-                    request(layer_idx + ahead)
+                    self._request_layer(rows, pending, layer_idx + ahead, first_check)
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,
                                               positions if active is positions else positions[active])
                 counters.recomputed_tokens_per_layer.append(int(active.numel()))
                 if layer_idx < first_check:
-                    attn_out = attend(q, k, v, None, self.scale)
+                    attn_out = causal_attention(q, k, v, None, self.scale)
                     hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
-                    kv = torch.stack((k, v))  # [2, N, H, D]
+                    kv = torch.stack((k, v))  # [2, T, H, D]
                 else:
-                    kv = cached_layer(layer_idx)  # [2, N, H, D], this layer's own buffer
+                    kv = self._cached_layer(rows, pending, layer_idx, counters)  # this layer's own buffer
                     new_active = active
                     if layer_idx in check_layers:
-                        i = check_layers.index(layer_idx)
-                        cand_local = torch.nonzero(is_reused_d[active]).flatten()  # reused rows computed here
-                        if forced_d is not None:
-                            sel_local = cand_local[forced_d[active[cand_local]]]
-                        else:  # scored before fresh rows overwrite the cached ones
-                            scores = self._scores(k, v, kv, cand_local, active[cand_local])  # [Rc]
-                            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
-                            sel_local = ops.select_top(scores, plan.recompute_ratios[i], threshold,
-                                                       cand_local, num_reused=num_reused)
-                        keep = ~is_reused_d[active]
-                        keep[sel_local] = True
-                        keep_local = torch.nonzero(keep).flatten()  # [A'] into active
-                        counters.selected_tokens = int(sel_local.numel())
+                        keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters)
                         new_active = active[keep_local]
                     if active.numel() == num_tokens:  # every row fresh: plain copies
                         kv[0].copy_(k)
@@ -476,14 +475,14 @@ class BlendEngine:
                         kv[1, active] = v
                     if new_active is not active:
                         q, residual = q[keep_local], residual[keep_local]
-                    if rows is None and layer_idx >= last_check and new_active.is_cuda and new_active.numel():
+                    if row_mask is None and layer_idx >= last_check and new_active.is_cuda and new_active.numel():
                         # The rows stay fixed from here on: one block mask for every later
                         # layer (the CPU reference path needs none).
-                        rows = ops.prepare_rows(new_active, num_tokens)
-                    if rows is None:
-                        attn_out = attend(q, kv[0], kv[1], new_active, self.scale)
+                        row_mask = ops.prepare_rows(new_active, num_tokens)
+                    if row_mask is None:
+                        attn_out = causal_attention(q, kv[0], kv[1], new_active, self.scale)
                     else:
-                        attn_out = attend(q, kv[0], kv[1], new_active, self.scale, rows)
+                        attn_out = causal_attention(q, kv[0], kv[1], new_active, self.scale, row_mask)
                     hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
                     active = new_active
                 kv_layers.append(kv)

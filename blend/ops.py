@@ -3,14 +3,15 @@
 The engine calls these with the tensors it already holds (``[T, H, D]`` K/V of the prompt,
 ``[A, Hq, D]`` queries of the computed rows, int64 positions); each picks the fast path for
 CUDA tensors and the plain-torch reference otherwise, with the same results up to the
-dtype's rounding (``tests/gpu`` compares them).
+dtype's rounding (``tests/blend/test_ops.py`` and ``test_ops_cuda.py`` compare them).
 
 * :func:`rerotate_k_` — cached K moved to new positions, in place (Triton).
-* :func:`k_deviation_scores` + :func:`select_top` — the check layer's selection (Triton + topk).
-* :func:`selected_row_attention` / :func:`attend` — attention of selected query rows over the
-  whole mixed KV with per-row causal limits: FlexAttention (compiled) with a block mask built
-  from the selected positions on CUDA; SDPA with a per-row ``[Qb, T]`` mask over blocks of
-  queries on CPU. Neither materializes a ``[T, T]`` mask.
+* :func:`deviation_scores` + :func:`select_top_ratio` — the check layer's selection (Triton + topk).
+* :func:`causal_attention` — the engine's attention: plain causal prefill, or selected query
+  rows over the whole mixed KV with per-row causal limits, through
+  :func:`selected_row_attention` (FlexAttention, compiled, with a block mask built from the
+  selected positions) on CUDA and :func:`blend.attention.blocked_row_attention` (SDPA over
+  blocks of position-sorted rows) elsewhere. Neither materializes a ``[T, T]`` mask.
 * :func:`gather_paged` / :func:`scatter_paged` — vLLM paged KV by ``slot_mapping`` (Triton).
 
 Axis letters as in :mod:`blend.protocols`; ``Q`` = selected query rows.
@@ -27,16 +28,16 @@ import torch.nn.functional as F
 
 from blend import attention as _attention
 from blend.kernels.blockmask import NEVER, block_tables
-from blend.kernels.deviation import k_deviation_scores
+from blend.kernels.deviation import deviation_scores
 from blend.kernels.paged import gather_paged, scatter_paged
 from blend.kernels.rope import rerotate_k_
-from blend.selection import num_to_select
-from blend.selection import select_top as _select_top_n
+from blend.selection import num_to_select, top_n_indices
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RowMask", "attend", "build_block_mask", "prepare_rows", "gather_paged", "k_deviation_scores", "rerotate_k_",
-           "scatter_paged", "select_top", "selected_row_attention", "selected_row_attention_reference"]
+__all__ = ["RowMask", "build_block_mask", "causal_attention", "deviation_scores", "gather_paged", "prepare_rows",
+           "rerotate_k_", "scatter_paged", "select_top_ratio", "selected_row_attention",
+           "selected_row_attention_reference"]
 
 #: FlexAttention tile (rows and keys per block of the block mask).
 FLEX_BLOCK = 128
@@ -46,12 +47,12 @@ REFERENCE_QUERY_BLOCK = 1024
 _NEVER = NEVER
 
 
-def select_top(scores: torch.Tensor, ratio: float, threshold: float | None = None,
-               candidates: torch.Tensor | None = None, *, num_reused: int | None = None) -> torch.Tensor:
-    """The top ``ratio`` of candidates by K deviation (CacheBlend §4.3), minus those under ``threshold``.
+def select_top_ratio(scores: torch.Tensor, ratio: float, threshold: float | None = None,
+                     candidates: torch.Tensor | None = None, *, num_reused: int | None = None) -> torch.Tensor:
+    """The top ``ratio`` of candidates by KV deviation (CacheBlend §4.3), minus those under ``threshold``.
 
     Args:
-        scores: deviation per candidate (:func:`k_deviation_scores`).
+        scores: deviation per candidate (:func:`deviation_scores` of K or V).
         ratio: recompute ratio in ``[0, 1]``; ``ceil(ratio * num_reused)`` are kept.
         threshold: optional floor on the score of a kept candidate.
         candidates: what to return for each score (e.g. prompt rows); None: score indices.
@@ -68,7 +69,7 @@ def select_top(scores: torch.Tensor, ratio: float, threshold: float | None = Non
     if candidates is not None and candidates.shape != scores.shape:
         raise ValueError(f"candidates {tuple(candidates.shape)} must match scores {tuple(scores.shape)}")
     num_select = num_to_select(scores.numel() if num_reused is None else num_reused, ratio)
-    idx = _select_top_n(scores, num_select, threshold)
+    idx = top_n_indices(scores, num_select, threshold)
     return idx if candidates is None else candidates.to(scores.device)[idx]
 
 
@@ -312,14 +313,16 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
     return out[0, :, :num_q].transpose(0, 1).reshape(num_q, -1)  # [Q, Hq * D]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
-           scale: float, rows: RowMask | None = None) -> torch.Tensor:
-    """Drop-in for :func:`blend.attention.attend` (same arguments, shapes and errors).
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,
+                     scale: float, rows: RowMask | None = None) -> torch.Tensor:
+    """The engine's attention: query rows at positions ``query_idx`` over keys ``0..T-1``, causal.
+
+    Drop-in for :func:`blend.attention.blocked_row_attention` (same arguments, shapes and errors).
 
     ``query_idx=None`` is plain causal prefill (SDPA ``is_causal``: flash/cuDNN on CUDA);
     otherwise :func:`selected_row_attention` with keys at ``0..T-1`` (and ``rows``, when the
-    caller prepared them once per request) on CUDA, and :func:`blend.attention.attend` on
-    other devices: its blocks of 128 position-sorted rows read keys only up to their last row
+    caller prepared them once per request) on CUDA, and
+    :func:`blend.attention.blocked_row_attention` on other devices: its blocks of 128 position-sorted rows read keys only up to their last row
     (a SmolLM2 blend of 3K tokens at ratio 0.15 on 2 CPU cores: 2.19 s through the engine with
     :func:`selected_row_attention_reference`, 1.57 s with this; 2026-11-29).
     """
@@ -331,5 +334,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.T
                                              enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
     if not (q.is_cuda and k.is_cuda):
-        return _attention.attend(q, k, v, query_idx, scale)
+        return _attention.blocked_row_attention(q, k, v, query_idx, scale)
     return selected_row_attention(q, query_idx, k, v, None, scale, rows=rows)

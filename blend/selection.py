@@ -1,11 +1,18 @@
-"""Which reused tokens to recompute: K deviation at a check layer, top ratio, optional threshold.
+"""Which reused tokens to recompute: KV deviation at a check layer, top ratio, optional threshold.
 
 CacheBlend (Yao et al., EuroSys 2025, §4.2-§4.3) observes that the tokens whose cached KV
 deviates most from the KV they would get with full cross-attention ("high-KV-deviation"
 tokens) are few, and that tokens with high deviation at one layer tend to keep it in the next.
 So at a check layer every reused token is computed once more, its fresh K is compared with
-the re-rotated cached K, and only the top ``recompute_ratio`` share is recomputed in the
-layers above. A threshold (when set) drops selected tokens whose deviation is already small.
+the re-rotated cached K (the paper's measure; the engine can rank by V or K+V instead, see
+:class:`blend.engine.BlendEngine`), and only the top ``recompute_ratio`` share is recomputed in
+the layers above. A threshold (when set) drops selected tokens whose deviation is already small.
+
+* :func:`squared_deviation` — the per-token score, on K or on V (the reference of
+  :func:`blend.kernels.deviation.deviation_scores`);
+* :func:`num_to_select` — how many of the reused tokens a ratio keeps;
+* :func:`top_n_indices` — which: the ``n`` highest scores, minus those under the threshold
+  (:func:`blend.ops.select_top_ratio` applies a ratio to a request's reused rows with it).
 """
 
 from __future__ import annotations
@@ -15,20 +22,23 @@ import math
 import torch
 
 
-def k_deviation(fresh_k: torch.Tensor, cached_k: torch.Tensor) -> torch.Tensor:
-    """Per-token squared L2 distance between fresh and cached K, summed over KV heads.
+def squared_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Per-token squared L2 distance between fresh and cached K (or V), summed over KV heads.
+
+    Args:
+        fresh: the freshly computed K (post-RoPE) or V of each token.
+        cached: the cached K (re-rotated to the same positions) or V of the same tokens.
 
     Shapes:
-        fresh_k, cached_k: ``[R, H, D]`` (any float dtype; both post-RoPE at the same
-        positions). Returns ``[R]`` float32.
+        fresh, cached: ``[R, H, D]`` (any float dtype). Returns ``[R]`` float32.
 
     Raises:
         ValueError: shapes differ.
     """
-    if fresh_k.shape != cached_k.shape or fresh_k.dim() != 3:
-        raise ValueError(f"fresh and cached K must both be [R, H, D]: {tuple(fresh_k.shape)} vs "
-                         f"{tuple(cached_k.shape)}")
-    diff = fresh_k.to(torch.float32) - cached_k.to(torch.float32)
+    if fresh.shape != cached.shape or fresh.dim() != 3:
+        raise ValueError(f"fresh and cached K/V must both be [R, H, D]: {tuple(fresh.shape)} vs "
+                         f"{tuple(cached.shape)}")
+    diff = fresh.to(torch.float32) - cached.to(torch.float32)
     return diff.square().sum(dim=(1, 2))
 
 
@@ -39,11 +49,11 @@ def num_to_select(num_reused: int, ratio: float) -> int:
     return min(num_reused, max(0, math.ceil(ratio * num_reused - 1e-9)))
 
 
-def select_top(scores: torch.Tensor, num_select: int, threshold: float | None = None) -> torch.Tensor:
+def top_n_indices(scores: torch.Tensor, num_select: int, threshold: float | None = None) -> torch.Tensor:
     """Indices of the ``num_select`` highest scores, minus those scoring below ``threshold``.
 
     Args:
-        scores: K deviation per candidate token.
+        scores: deviation (K or V) per candidate token.
         num_select: how many to keep at most (clamped to the number of candidates).
         threshold: optional floor; a selected token with ``score < threshold`` is dropped.
 

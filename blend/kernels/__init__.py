@@ -1,7 +1,7 @@
 """Triton kernels of the blend hot path, each beside its plain-torch reference.
 
 :mod:`blend.kernels.rope` re-rotates cached K in place, :mod:`blend.kernels.deviation` scores
-the per-token K deviation at a check layer, and :mod:`blend.kernels.paged` gathers and
+the per-token K (or V) deviation at a check layer, and :mod:`blend.kernels.paged` gathers and
 scatters KV of vLLM's paged caches by ``slot_mapping``. Every module exposes ``*_reference``
 (plain torch, the definition), ``*_triton`` (the kernel launch, after its wrapper checked
 shapes, dtypes, devices, contiguity and index ranges) and the entry point that
@@ -9,7 +9,7 @@ shapes, dtypes, devices, contiguity and index ranges) and the entry point that
 
 On CPU tensors ``*_triton`` runs the same kernel through Triton's interpreter, which Triton
 enables only when ``TRITON_INTERPRET=1`` is set before it is first imported (CI's kernel
-tests run in a subprocess for that reason, see ``tests/gpu/``).
+tests run in a subprocess for that reason, see ``tests/blend/kernels/``).
 """
 
 from __future__ import annotations

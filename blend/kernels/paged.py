@@ -1,17 +1,19 @@
 """Gather chunk KV out of vLLM's paged KV cache by ``slot_mapping``, and scatter it back.
 
 A token's place in the paged cache is its slot: ``slot = block_id * block_size + offset``.
-Two GPU layouts are taken (``N`` blocks, ``B`` block size, ``H`` KV heads, ``D`` head dim)::
+Axis letters: ``B`` blocks (``num_blocks``), ``S`` slots per block (``block_size``), ``T``
+tokens (``num_tokens``, one slot each), ``H`` KV heads, ``D`` head dim. Two GPU layouts are
+taken::
 
-    flash_attn   [2, N, B, H, D]    K = cache[0],    V = cache[1]
-    flashinfer   [N, 2, B, H, D]    K = cache[:, 0], V = cache[:, 1]
+    flash_attn   [2, B, S, H, D]    K = cache[0],    V = cache[1]
+    flashinfer   [B, 2, S, H, D]    K = cache[:, 0], V = cache[:, 1]
 
-In both, one token's ``[H, D]`` is contiguous and the K and V views are ``[N, B, H, D]``
-with strides ``(stride_n, H*D, D, 1)``; the kernel copies ``H*D`` elements per token and
+In both, one token's ``[H, D]`` is contiguous and the K and V views are ``[B, S, H, D]``
+with strides ``(stride_block, H*D, D, 1)``; the kernel copies ``H*D`` elements per token and
 side, so one launch moves a whole request's KV::
 
-    gather:  out[0, t] = K[slot[t] // B, slot[t] % B];  out[1, t] = V[...]      out: [2, T, H, D]
-    scatter: K[slot[t] // B, slot[t] % B] = kv[0, t];   V[...] = kv[1, t]
+    gather:  out[0, t] = K[slot[t] // S, slot[t] % S];  out[1, t] = V[...]      out: [2, T, H, D]
+    scatter: K[slot[t] // S, slot[t] % S] = kv[0, t];   V[...] = kv[1, t]
 
 (``cluster.vllm.paged`` holds the same arithmetic for vLLM's other layouts; imports go
 ``cluster -> blend``, so the references here are self-contained.)
@@ -27,18 +29,18 @@ LAYOUTS = ("flash_attn", "flashinfer")
 
 
 def kv_views(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views ``[N, B, H, D]`` of one layer's paged cache (no copies).
+    """K and V views ``[B, S, H, D]`` of one layer's paged cache (no copies).
 
     Raises:
         ValueError: unknown layout or a cache of the wrong rank.
     """
     if layout == "flash_attn":
         if cache.dim() != 5 or cache.shape[0] != 2:
-            raise ValueError(f"layout 'flash_attn' needs a [2, N, B, H, D] cache, got {tuple(cache.shape)}")
+            raise ValueError(f"layout 'flash_attn' needs a [2, B, S, H, D] cache, got {tuple(cache.shape)}")
         return cache[0], cache[1]
     if layout == "flashinfer":
         if cache.dim() != 5 or cache.shape[1] != 2:
-            raise ValueError(f"layout 'flashinfer' needs a [N, 2, B, H, D] cache, got {tuple(cache.shape)}")
+            raise ValueError(f"layout 'flashinfer' needs a [B, 2, S, H, D] cache, got {tuple(cache.shape)}")
         return cache[:, 0], cache[:, 1]
     raise ValueError(f"unknown paged KV layout {layout!r}; supported: {', '.join(LAYOUTS)}")
 
@@ -85,11 +87,11 @@ def scatter_reference(cache: torch.Tensor, layout: str, kv: torch.Tensor, slot_m
 
 
 def _paged_copy_kernel(k_cache_ptr, v_cache_ptr, kv_ptr, slot_ptr, num_tokens, block_size,
-                       stride_n, stride_b, stride_side, TOKEN_ELEMS: tl.constexpr,
+                       stride_block, stride_slot, stride_side, TOKEN_ELEMS: tl.constexpr,
                        SCATTER: tl.constexpr, BLOCK_E: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    base = (slot // block_size) * stride_n + (slot % block_size) * stride_b
+    base = (slot // block_size) * stride_block + (slot % block_size) * stride_slot
     row = t.to(tl.int64) * TOKEN_ELEMS
     for e0 in range(0, TOKEN_ELEMS, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
@@ -165,11 +167,11 @@ def gather_paged(cache: torch.Tensor, layout: str, slot_mapping: torch.Tensor, *
             themselves may skip it.
 
     Shapes:
-        cache: ``[2, N, B, H, D]`` or ``[N, 2, B, H, D]``; slot_mapping: ``[T]`` int.
+        cache: ``[2, B, S, H, D]`` or ``[B, 2, S, H, D]``; slot_mapping: ``[T]`` int.
         Returns ``[2, T, H, D]`` in the cache's dtype, on its device.
 
     Raises:
-        ValueError: unknown layout, shapes, or slots outside ``0..N*B-1``.
+        ValueError: unknown layout, shapes, or slots outside ``0..B*S-1``.
         TypeError: a non-integer slot_mapping.
     """
     if _fast(cache):

@@ -1,0 +1,59 @@
+"""What one blend request returns (:class:`BlendResult`) and what it did (:class:`BlendCounters`).
+
+:class:`blend.engine.BlendEngine` fills both, for a blended request and for full prefill
+alike; the vLLM connector turns the counters into metrics and events. Axis letters as in
+:mod:`blend.engine`: ``T`` prompt tokens blended, ``A`` rows computed above the last check
+layer, ``H`` KV heads, ``D`` head dim, ``V`` vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class BlendCounters:
+    """What one request did (plain numbers; the connector turns them into metrics).
+
+    Attributes:
+        num_segments: chunk segments in ``[0, blend_end)``.
+        num_hit_segments: of those, cached and used (0 when the request fell back to prefill).
+        reused_tokens: tokens whose KV could come from the cache (hit rows; the last row is
+            always computed when logits are wanted).
+        computed_tokens: the other tokens (prefix, separators, missed chunks, query), computed
+            in every layer.
+        selected_tokens: reused tokens chosen at the last check layer.
+        recomputed_tokens_per_layer: rows computed in each layer (``T`` up to the first check layer).
+        load_wait_s: time the engine waited for the source.
+        compute_s: the rest of the request's wall time.
+        full_prefill_reason: why the request was computed by full prefill (None when blended).
+    """
+
+    num_segments: int = 0
+    num_hit_segments: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    selected_tokens: int = 0
+    recomputed_tokens_per_layer: list[int] = field(default_factory=list)
+    load_wait_s: float = 0.0
+    compute_s: float = 0.0
+    full_prefill_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class BlendResult:
+    """Output of one request.
+
+    Attributes:
+        kv: per layer ``[2, T, H, D]`` (K then V) in the model dtype, K rotated at 0..T-1.
+        logits: ``[V]`` float32 next-token logits after token ``T-1`` (None unless wanted).
+        recompute_idx: ``[A]`` int64 prompt indices computed above the last check layer.
+        counters: what the request did.
+    """
+
+    kv: list[torch.Tensor]
+    logits: torch.Tensor | None
+    recompute_idx: torch.Tensor
+    counters: BlendCounters
