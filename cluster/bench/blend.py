@@ -32,6 +32,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def _decode(model, kv, first_logits, max_new_tokens: int, eos_ids, torch):
-    """Greedy answer from a prompt's KV (list of [2, N, H, D]) and its last logits [V]."""
+    """Greedy answer from a prompt's KV (list of [2, T, H, D]) and its last logits [V]."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -141,20 +142,10 @@ def _plot(summary: dict, ratios: list[float], modes: list[str], path: str) -> No
 
 
 def run(args: argparse.Namespace) -> int:
+    """The benchmark: set up once, then per example store its passages, time and decode full
+    prefill, time and decode each blend ratio; write the JSON, the PNG and a table."""
     import torch
     from tqdm import tqdm
-
-    from blend.adapters.hf import HFModelAdapter
-    from blend.config import BlendConfig
-    from blend.engine import BlendEngine
-    from blend.planner import make_plan
-    from blend.segments import build_blend_prompt, chunk_token_ids
-    from cluster.cache.local import LocalCacheClient
-    from cluster.config import cache_dir, load_config
-    from cluster.namespace import namespace_for
-    from cluster.workloads.model import resolve_model
-    from cluster.workloads.qa import load_examples, max_f1, resolve_dataset, token_f1
-    from tiers.keys import segment_key
 
     ratios = _floats(args.ratios, "ratios")
     names = [f"blend_{x.strip()}" for x in args.ratios.split(",") if x.strip()]  # as typed: blend_0.15
@@ -165,101 +156,175 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-examples={args.num_examples} must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    config = load_config(environ=dict(os.environ))
-    path = resolve_model(args.model, cache_dir(config))
-    separator = args.separator or config.blend.blend_separator
-    examples = load_examples(resolve_dataset(args.dataset), limit=args.num_examples)
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    adapter = HFModelAdapter.from_pretrained(path, dtype=dtype)
-    model = adapter.model
-    namespace = namespace_for(path, args.dtype).digest()
-    eos_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None}
-    tmp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
-    tier, tiers_used = _make_tier(tmp.name)
-    client = LocalCacheClient(tier)
-    engine = BlendEngine(adapter, client, score=args.score)
-
-    def plan_for(ids, spans, ratio):
-        cfg = BlendConfig(blend_separator=separator, check_layers=check_layers,
-                          recompute_ratios=(ratio,), min_tokens=0)
-        return make_plan(ids, spans, namespace, client, cfg, query_to_engine=True)
-
-    def full_forward(ids):
-        with torch.no_grad():
-            out = model(torch.tensor([ids]), use_cache=True)
-        return out
-
+    bench = _Bench(args, check_layers)
     rows: list[dict] = []
     warmed = False
-    for ex in tqdm(examples, desc="bench blend", unit="example"):
+    for ex in tqdm(bench.examples, desc="bench blend", unit="example"):
         passages = list(ex.passages[:args.max_passages] if args.max_passages else ex.passages)
-        for text in passages:  # canonical KV into the tiers
-            ids = chunk_token_ids(tokenizer, text)
-            kv = torch.stack(engine.prefill(ids, want_logits=False).kv)  # [L, 2, T, H, D]
-            client.put(segment_key(namespace, ids), kv)
-        client.flush()
-        ids, spans = build_blend_prompt(tokenizer, PREFIX, passages, QUERY.format(question=ex.question),
-                                        separator=separator, add_bos=False)
+        bench.store_passages(passages)
+        ids, spans = bench.prompt(passages, ex.question)
         if not warmed:  # warm-up, excluded: allocator, thread pools, first-call paths
-            full_forward(ids[:256])
-            engine.blend(plan_for(ids, spans, ratios[0]))
+            bench.full_forward(ids[:256])
+            bench.engine.blend(bench.plan_for(ids, spans, ratios[0]))
             warmed = True
+        row, full = bench.full_mode(ex, ids)
+        for ratio, name in zip(ratios, names, strict=True):
+            row[name] = bench.blend_mode(ex, ids, spans, ratio, full)
+        rows.append(row)
+    _write(args, bench, rows, ratios, names, check_layers)
+    bench.close()
+    return 0
+
+
+@dataclass(frozen=True)
+class _Full:
+    """Full prefill's answer of one example, what each blend mode is compared with.
+
+    Attributes:
+        answer: its greedy answer's token ids; text: decoded.
+        p_full: ``[V]`` float32 first-token probabilities.
+        gold: the first gold answer's token ids and ``<|im_end|>`` (empty without answers).
+    """
+
+    answer: list[int]
+    text: str
+    p_full: object
+    gold: list[int]
+
+
+class _Bench:
+    """The model, tokenizer, tiers and blend engine of one run, and the timed modes."""
+
+    def __init__(self, args: argparse.Namespace, check_layers: tuple[int, ...]) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from blend.adapters.hf import HFModelAdapter
+        from blend.engine import BlendEngine
+        from cluster.cache.local import LocalCacheClient
+        from cluster.config import cache_dir, load_config
+        from cluster.namespace import namespace_for
+        from cluster.workloads.model import resolve_model
+        from cluster.workloads.qa import load_examples, resolve_dataset
+
+        self.torch, self.args, self.check_layers = torch, args, check_layers
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        config = load_config(environ=dict(os.environ))
+        self.path = resolve_model(args.model, cache_dir(config))
+        self.separator = args.separator or config.blend.blend_separator
+        self.examples = load_examples(resolve_dataset(args.dataset), limit=args.num_examples)
+        self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.adapter = HFModelAdapter.from_pretrained(self.path, dtype=dtype)
+        self.model = self.adapter.model
+        self.namespace = namespace_for(self.path, args.dtype).digest()
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.eos_ids = {i for i in (tokenizer.eos_token_id, self.im_end) if i is not None}
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
+        self.tier, self.tiers_used = _make_tier(self._tmp.name)
+        self.client = LocalCacheClient(self.tier)
+        self.engine = BlendEngine(self.adapter, self.client, score=args.score)
+
+    def close(self) -> None:
+        _close(self.tier)
+        self._tmp.cleanup()
+
+    def plan_for(self, ids, spans, ratio: float):
+        from blend.config import BlendConfig
+        from blend.planner import make_plan
+
+        cfg = BlendConfig(blend_separator=self.separator, check_layers=self.check_layers,
+                          recompute_ratios=(ratio,), min_tokens=0)
+        return make_plan(ids, spans, self.namespace, self.client, cfg, query_to_engine=True)
+
+    def full_forward(self, ids):
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([ids]), use_cache=True)
+        return out
+
+    def store_passages(self, passages: list[str]) -> None:
+        """Every passage's canonical KV into the tiers."""
+        from blend.segments import chunk_token_ids
+        from tiers.keys import segment_key
+
+        for text in passages:
+            ids = chunk_token_ids(self.tokenizer, text)
+            kv = self.torch.stack(self.engine.prefill(ids, want_logits=False).kv)  # [L, 2, T, H, D]
+            self.client.put(segment_key(self.namespace, ids), kv)
+        self.client.flush()
+
+    def prompt(self, passages: list[str], question: str):
+        """``PREFIX ⟨sep⟩ p1 ⟨sep⟩ ... ⟨sep⟩ QUERY`` as token ids and segment spans."""
+        from blend.segments import build_blend_prompt
+
+        return build_blend_prompt(self.tokenizer, PREFIX, passages, QUERY.format(question=question),
+                                  separator=self.separator, add_bos=False)
+
+    def full_mode(self, ex, ids: list[int]) -> tuple[dict, _Full]:
+        """The example's row with its ``full`` entry (HF forward timed to the first logits),
+        and full prefill's answer."""
+        from blend.segments import chunk_token_ids
+        from cluster.workloads.qa import max_f1
+
+        torch, model, tokenizer = self.torch, self.model, self.tokenizer
         t0 = time.perf_counter()
-        out = full_forward(ids)
+        out = self.full_forward(ids)
         full_logits = out.logits[0, -1].float()
         ttft_full = time.perf_counter() - t0
         cache = out.past_key_values
         full_kv = [torch.stack((cache.layers[i].keys[0].transpose(0, 1), cache.layers[i].values[0].transpose(0, 1)))
-                   for i in range(adapter.spec.num_layers)]
+                   for i in range(self.adapter.spec.num_layers)]
         del out
-        full_answer = _decode(model, full_kv, full_logits, args.max_new_tokens, eos_ids, torch)
+        full_answer = _decode(model, full_kv, full_logits, self.args.max_new_tokens, self.eos_ids, torch)
         full_text = tokenizer.decode(full_answer, skip_special_tokens=True).strip()
-        gold = chunk_token_ids(tokenizer, ex.answers[0]) + [tokenizer.convert_tokens_to_ids("<|im_end|>")] \
-            if ex.answers else []
-        p_full = torch.softmax(full_logits, -1)
+        gold = chunk_token_ids(tokenizer, ex.answers[0]) + [self.im_end] if ex.answers else []
         row = {"id": ex.id, "num_tokens": len(ids), "full": {
             "ttft_s": ttft_full, "answer": full_text, "f1": max_f1(full_text, ex.answers),
             "agreement": 1.0, "first_token_match": 1.0, "kl_first": 0.0,
             "nll_self": _nll(model, full_kv, full_logits, full_answer, torch),
             "nll_gold": _nll(model, full_kv, full_logits, gold, torch),
             "recomputed_tokens": len(ids), "reused_tokens": 0}}
-        del full_kv
-        for ratio, name in zip(ratios, names, strict=True):
-            t0 = time.perf_counter()
-            plan = plan_for(ids, spans, ratio)
-            res = engine.blend(plan)
-            ttft = time.perf_counter() - t0
-            answer = _decode(model, res.kv, res.logits, args.max_new_tokens, eos_ids, torch)
-            text = tokenizer.decode(answer, skip_special_tokens=True).strip()
-            log_p_blend = torch.log_softmax(res.logits, -1)
-            row[name] = {
-                "ttft_s": ttft, "answer": text, "f1": max_f1(text, ex.answers),
-                "agreement": token_f1(text, full_text),
-                "first_token_match": float(answer[0] == full_answer[0]),
-                "kl_first": float((p_full * (torch.log(p_full.clamp_min(1e-30)) - log_p_blend)).sum()),
-                "nll_self": _nll(model, res.kv, res.logits, full_answer, torch),
-                "nll_gold": _nll(model, res.kv, res.logits, gold, torch),
-                "recomputed_tokens": int(res.recompute_idx.numel()),
-                "reused_tokens": res.counters.reused_tokens,
-                "load_wait_s": res.counters.load_wait_s,
-                "full_prefill_reason": res.counters.full_prefill_reason}
-        rows.append(row)
+        return row, _Full(full_answer, full_text, torch.softmax(full_logits, -1), gold)
 
+    def blend_mode(self, ex, ids: list[int], spans, ratio: float, full: _Full) -> dict:
+        """One blend mode's entry: plan + blend timed to the first logits, decoded, compared."""
+        from cluster.workloads.qa import max_f1, token_f1
+
+        torch, model = self.torch, self.model
+        t0 = time.perf_counter()
+        plan = self.plan_for(ids, spans, ratio)
+        res = self.engine.blend(plan)
+        ttft = time.perf_counter() - t0
+        answer = _decode(model, res.kv, res.logits, self.args.max_new_tokens, self.eos_ids, torch)
+        text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+        p_full = full.p_full
+        log_p_blend = torch.log_softmax(res.logits, -1)
+        return {
+            "ttft_s": ttft, "answer": text, "f1": max_f1(text, ex.answers),
+            "agreement": token_f1(text, full.text),
+            "first_token_match": float(answer[0] == full.answer[0]),
+            "kl_first": float((p_full * (torch.log(p_full.clamp_min(1e-30)) - log_p_blend)).sum()),
+            "nll_self": _nll(model, res.kv, res.logits, full.answer, torch),
+            "nll_gold": _nll(model, res.kv, res.logits, full.gold, torch),
+            "recomputed_tokens": int(res.recompute_idx.numel()),
+            "reused_tokens": res.counters.reused_tokens,
+            "load_wait_s": res.counters.load_wait_s,
+            "full_prefill_reason": res.counters.full_prefill_reason}
+
+
+def _write(args: argparse.Namespace, bench: _Bench, rows: list[dict], ratios: list[float], names: list[str],
+           check_layers: tuple[int, ...]) -> None:
+    """The summary JSON, the PNG beside it and the table on stdout."""
     summary = _summarize(rows, names)
     summary["meta"] = {
-        "dataset": args.dataset, "num_examples": len(rows), "model": path, "dtype": args.dtype,
-        "threads": torch.get_num_threads(), "check_layers": list(check_layers), "separator": separator,
-        "score": args.score,
-        "tiers": tiers_used, "max_passages": args.max_passages or None,
+        "dataset": args.dataset, "num_examples": len(rows), "model": bench.path, "dtype": args.dtype,
+        "threads": bench.torch.get_num_threads(), "check_layers": list(check_layers),
+        "separator": bench.separator, "score": args.score,
+        "tiers": bench.tiers_used, "max_passages": args.max_passages or None,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
         "prompt_format": PREFIX + " ⟨sep⟩ passage ... ⟨sep⟩ " + QUERY,
         "f1_note": "gold F1 of SmolLM2-135M is noise; fidelity to full prefill (agreement, "
                    "first_token_match, kl_first, gap_recovered) is the measure",
-        "client_stats": _jsonable(client.stats())}
+        "client_stats": _jsonable(bench.client.stats())}
     summary["examples"] = rows
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:
@@ -268,9 +333,6 @@ def run(args: argparse.Namespace) -> int:
     _plot(summary, ratios, names, png)
     _print(summary, names)
     print(f"wrote {args.json} and {png}")
-    _close(tier)
-    tmp.cleanup()
-    return 0
 
 
 def _make_tier(path: str):

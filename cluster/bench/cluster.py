@@ -32,8 +32,10 @@ import random
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 
 NUM_SEGMENTS = 16
+NAMESPACE = "b" * 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,23 +83,28 @@ def _direct_all_layers(tier, keys, headers, num_layers: int) -> float:
     return time.perf_counter() - t0
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every shard count of one run shares."""
+
+    address: str           # the Ray cluster's
+    root: str              # cache_dir of the shards
+    store_gib: float       # object store per node
+    shape: dict            # chunk shape (:func:`_shape`)
+    quick: bool
+    generator: object      # torch.Generator of the chunks' random KV
+    driver_node: str       # Ray node id of this process
+
+
 def run(args: argparse.Namespace) -> int:
+    """Start the Ray nodes, then for 1..``--max-shards`` shards (a node each) measure
+    (:func:`_measure`) and print a line; write the JSON."""
     import ray
     import torch
     from ray.cluster_utils import Cluster
 
-    from cluster.cache.client import CacheClient
-    from cluster.cache.lifecycle import start_shards, stop_shards
-    from cluster.config import load_config
-    from tiers.codec import encode_kv
-    from tiers.format import parse_header
-    from tiers.host import HostTier
-    from tiers.keys import segment_key
-
     quick = args.quick
     shape = _shape(quick)
-    reps = 3 if quick else 5
-    lookups = 200 if quick else 1000
     store_gib = args.object_store_gib or (0.3 if quick else 0.6)
     chunk_bytes = 2 * 2 * shape["num_layers"] * shape["num_tokens"] * shape["num_kv_heads"] * shape["head_dim"]
     max_shards = max(1, min(3, args.max_shards))
@@ -108,83 +115,15 @@ def run(args: argparse.Namespace) -> int:
     results = []
     try:
         ray.init(address=cluster.address, namespace="kvblend-bench", log_to_driver=False)
-        driver_node = ray.get_runtime_context().get_node_id()
-        g = torch.Generator().manual_seed(0)
-        ns = "b" * 16
+        bench = _Run(cluster.address, root, store_gib, shape, quick, torch.Generator().manual_seed(0),
+                     ray.get_runtime_context().get_node_id())
         for num_shards in range(1, max_shards + 1):
             if num_shards > 1:
                 cluster.add_node(**node_args)
                 cluster.wait_for_nodes()
-            cfg = load_config(environ={}, overrides={
-                "ray_address": cluster.address, "ray_namespace": f"kvblend-bench-{uuid.uuid4().hex[:6]}",
-                "cache_dir": root, "host_size_gib": store_gib * 0.6, "disk_size_gib": 0.0,
-                "call_timeout_s": 30.0, "metrics": False})
-            names = start_shards(cfg)
-            client = CacheClient(cfg, ns)
-            infos = {n: ray.get(ray.get_actor(n, namespace=cfg.cluster.ray_namespace).ready.remote())
-                     for n in names}
-            local = {n for n, i in infos.items() if i["node_id"] == driver_node}
-            # 16 chunks per locality, chosen by owner
-            same, cross, direct = [], [], HostTier(2**40)
-            headers = {}
-            i = 0
-            while len(same) < NUM_SEGMENTS or (num_shards > 1 and len(cross) < NUM_SEGMENTS):
-                key = segment_key(ns, [num_shards, i])
-                i += 1
-                is_local = client._placement.owner(str(key)) in local
-                bucket = same if is_local else cross
-                if len(bucket) >= NUM_SEGMENTS:
-                    continue
-                kv = torch.randn(shape["num_layers"], 2, shape["num_tokens"], shape["num_kv_heads"],
-                                 shape["head_dim"], generator=g).to(torch.bfloat16)
-                client.put(key, kv)
-                obj = encode_kv(key, kv)
-                direct.put(key, obj)
-                headers[key] = parse_header(obj, expected_key=key)
-                bucket.append(key)
-            if not client.flush(120):
-                raise RuntimeError("puts did not finish")
-            all_keys = same + cross
-            for _ in range(10):  # warm up
-                client.lookup(random.sample(all_keys, NUM_SEGMENTS))
-            lat = []
-            for _ in range(lookups):
-                plan = random.sample(all_keys, NUM_SEGMENTS)
-                t0 = time.perf_counter()
-                metas = client.lookup(plan)
-                lat.append((time.perf_counter() - t0) * 1e3)
-                if any(m is None for m in metas):
-                    raise RuntimeError("a stored chunk was missed")
-            # baseline in the same run: the bare Ray round trip of a no-op call to every shard
-            handles = [ray.get_actor(n, namespace=cfg.cluster.ray_namespace) for n in names]
-            bare = []
-            for _ in range(lookups):
-                t0 = time.perf_counter()
-                ray.get([h.ready.remote() for h in handles], timeout=30)
-                bare.append((time.perf_counter() - t0) * 1e3)
-            row = {"num_shards": num_shards, "shards": names,
-                   "lookup_ms": {"p50": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99),
-                                 "num_lookups": lookups, "segments": NUM_SEGMENTS},
-                   "bare_ray_call_ms": {"p50": _percentile(bare, 0.5), "p99": _percentile(bare, 0.99)}}
-            for label, keys in (("same_node", same), ("cross_node", cross)):
-                if not keys:
-                    continue
-                nbytes = len(keys) * chunk_bytes
-                cold, warm, base = [], [], []
-                for _ in range(reps):
-                    client._objects.clear()
-                    client.lookup(keys)  # fresh refs, as a request would
-                    cold.append(_read_all_layers(client, keys, shape["num_layers"]))
-                    warm.append(_read_all_layers(client, keys, shape["num_layers"]))
-                    base.append(_direct_all_layers(direct, keys, headers, shape["num_layers"]))
-                c, w, b = nbytes / min(cold) / 1e9, nbytes / min(warm) / 1e9, nbytes / min(base) / 1e9
-                row[label] = {"client_gbps": c, "client_warm_gbps": w, "direct_gbps": b,
-                              "client_ratio": c / b, "client_warm_ratio": w / b,
-                              "bytes_per_pass": nbytes}
+            row = _measure(bench, num_shards, chunk_bytes)
             results.append(row)
             print(_row_text(row), flush=True)
-            client.close()
-            stop_shards(cfg.cluster.ray_namespace)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -195,6 +134,117 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)
     return 0
+
+
+def _measure(bench: _Run, num_shards: int, chunk_bytes: int) -> dict:
+    """One shard count: start the shards, store the chunks, time lookups against bare Ray
+    calls and layer reads against the direct baseline, stop the shards; the result row."""
+    import ray
+
+    from cluster.cache.client import CacheClient
+    from cluster.cache.lifecycle import start_shards, stop_shards
+    from cluster.config import load_config
+
+    reps = 3 if bench.quick else 5
+    lookups = 200 if bench.quick else 1000
+    cfg = load_config(environ={}, overrides={
+        "ray_address": bench.address, "ray_namespace": f"kvblend-bench-{uuid.uuid4().hex[:6]}",
+        "cache_dir": bench.root, "host_size_gib": bench.store_gib * 0.6, "disk_size_gib": 0.0,
+        "call_timeout_s": 30.0, "metrics": False})
+    names = start_shards(cfg)
+    client = CacheClient(cfg, NAMESPACE)
+    infos = {n: ray.get(ray.get_actor(n, namespace=cfg.cluster.ray_namespace).ready.remote())
+             for n in names}
+    local = {n for n, i in infos.items() if i["node_id"] == bench.driver_node}
+    same, cross, direct, headers = _store_chunks(client, local, num_shards, bench.shape, bench.generator)
+    handles = [ray.get_actor(n, namespace=cfg.cluster.ray_namespace) for n in names]
+    lat, bare = _lookup_ms(client, same + cross, lookups), _bare_call_ms(handles, lookups)
+    row = {"num_shards": num_shards, "shards": names,
+           "lookup_ms": {"p50": _percentile(lat, 0.5), "p99": _percentile(lat, 0.99),
+                         "num_lookups": lookups, "segments": NUM_SEGMENTS},
+           "bare_ray_call_ms": {"p50": _percentile(bare, 0.5), "p99": _percentile(bare, 0.99)}}
+    for label, keys in (("same_node", same), ("cross_node", cross)):
+        if keys:
+            row[label] = _read_gbps(client, direct, headers, keys, bench.shape["num_layers"], reps,
+                                    len(keys) * chunk_bytes)
+    client.close()
+    stop_shards(cfg.cluster.ray_namespace)
+    return row
+
+
+def _lookup_ms(client, all_keys: list, lookups: int) -> list[float]:
+    """Milliseconds of each of ``lookups`` lookups of 16 random stored keys (after 10 warm-up)."""
+    for _ in range(10):  # warm up
+        client.lookup(random.sample(all_keys, NUM_SEGMENTS))
+    lat = []
+    for _ in range(lookups):
+        plan = random.sample(all_keys, NUM_SEGMENTS)
+        t0 = time.perf_counter()
+        metas = client.lookup(plan)
+        lat.append((time.perf_counter() - t0) * 1e3)
+        if any(m is None for m in metas):
+            raise RuntimeError("a stored chunk was missed")
+    return lat
+
+
+def _bare_call_ms(handles: list, lookups: int) -> list[float]:
+    """The lookups' baseline in the same run: the bare Ray round trip of a no-op call to every shard."""
+    import ray
+
+    bare = []
+    for _ in range(lookups):
+        t0 = time.perf_counter()
+        ray.get([h.ready.remote() for h in handles], timeout=30)
+        bare.append((time.perf_counter() - t0) * 1e3)
+    return bare
+
+
+def _read_gbps(client, direct, headers: dict, keys: list, num_layers: int, reps: int, nbytes: int) -> dict:
+    """GB/s of reading every layer of ``keys`` through the client from a cold and a warm object
+    cache, and directly from ``direct`` (the baseline); best of ``reps``."""
+    cold, warm, base = [], [], []
+    for _ in range(reps):
+        client._objects.clear()
+        client.lookup(keys)  # fresh refs, as a request would
+        cold.append(_read_all_layers(client, keys, num_layers))
+        warm.append(_read_all_layers(client, keys, num_layers))
+        base.append(_direct_all_layers(direct, keys, headers, num_layers))
+    c, w, b = nbytes / min(cold) / 1e9, nbytes / min(warm) / 1e9, nbytes / min(base) / 1e9
+    return {"client_gbps": c, "client_warm_gbps": w, "direct_gbps": b,
+            "client_ratio": c / b, "client_warm_ratio": w / b, "bytes_per_pass": nbytes}
+
+
+def _store_chunks(client, local: set[str], num_shards: int, shape: dict, g):
+    """16 random bf16 chunks owned by a shard on the driver's node (``same``) and, with more
+    than one shard, 16 owned by others (``cross``), put through the client and, encoded, into
+    a :class:`tiers.host.HostTier` (``direct``) with their parsed headers."""
+    import torch
+
+    from tiers.codec import encode_kv
+    from tiers.format import parse_header
+    from tiers.host import HostTier
+    from tiers.keys import segment_key
+
+    same, cross, direct = [], [], HostTier(2**40)
+    headers = {}
+    i = 0
+    while len(same) < NUM_SEGMENTS or (num_shards > 1 and len(cross) < NUM_SEGMENTS):
+        key = segment_key(NAMESPACE, [num_shards, i])
+        i += 1
+        is_local = client.router.placement.owner(str(key)) in local
+        bucket = same if is_local else cross
+        if len(bucket) >= NUM_SEGMENTS:
+            continue
+        kv = torch.randn(shape["num_layers"], 2, shape["num_tokens"], shape["num_kv_heads"],
+                         shape["head_dim"], generator=g).to(torch.bfloat16)
+        client.put(key, kv)
+        obj = encode_kv(key, kv)
+        direct.put(key, obj)
+        headers[key] = parse_header(obj, expected_key=key)
+        bucket.append(key)
+    if not client.flush(120):
+        raise RuntimeError("puts did not finish")
+    return same, cross, direct, headers
 
 
 def _row_text(row: dict) -> str:

@@ -84,7 +84,7 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from cluster.vllm.events import read_stats
+    from cluster.vllm.events import read_events
 
     kwargs = dict(dtype=dtype, enforce_eager=True, max_model_len=8192, seed=0, disable_log_stats=False,
                   enable_prefix_caching=(mode == "vllm_prefix"))
@@ -103,7 +103,7 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
         for ids in warm:  # equal warm-up: the reversed orderings
             llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
         if mode == "kvblend":  # the connector stores in later engine steps: run them now
-            from cluster.vllm.connector import settle
+            from cluster.vllm.offline import settle
 
             settle(llm)
         ttfts, e2es, answers, cached, rids = [], [], [], [], []
@@ -124,7 +124,7 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
            "e2e_s": statistics.median(e2es),
            "answers": answers, "prefix_caching": mode == "vllm_prefix"}
     if mode == "kvblend":
-        ev = read_stats(stats_path)
+        ev = read_events(stats_path)
         by_id = {}
         for e in ev:
             by_id.setdefault(e["request_id"].rsplit("-", 1)[0], []).append(e)
@@ -142,6 +142,15 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
     else:
         row["hit_rate"] = statistics.mean(cached)
     return row
+
+
+def child_main(argv: list[str]) -> int:
+    """One ``--mode-only`` run in a fresh process, as :func:`run` starts one per mode: this
+    module's own flags and ``kvblend``'s log format (the benchmarks import no CLI module)."""
+    parser = argparse.ArgumentParser(prog="kvblend bench vllm")
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(run(parser.parse_args(argv)) or 0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,8 +197,9 @@ def run(args: argparse.Namespace) -> int:
             log.info("bench vllm: mode %s (%d prompts, mean %d tokens)", mode, len(measured),
                      statistics.mean(len(p) for p in measured))
             row_out = os.path.join(tmp, f"{mode}.json")
-            cmd = [sys.executable, "-c", "import sys; from cluster.cli.main import main; sys.exit(main(sys.argv[1:]))",
-                   "bench", "vllm", "--json", args.json, "--dataset", args.dataset,
+            cmd = [sys.executable, "-c",
+                   "import sys; from cluster.bench.vllm import child_main; sys.exit(child_main(sys.argv[1:]))",
+                   "--json", args.json, "--dataset", args.dataset,
                    "--num-examples", str(args.num_examples), "--ratio", str(args.ratio),
                    "--model", args.model, "--dtype", args.dtype,
                    "--max-new-tokens", str(args.max_new_tokens), "--max-passages", str(args.max_passages),

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from cluster.vllm.events import read_stats
+from cluster.vllm.events import read_events
 
 log = logging.getLogger("kvblend.demo")
 
@@ -191,23 +191,69 @@ def _serve_queries(mode: str, replicas, workload: Workload, prompts, warm_prompt
     return res
 
 
-def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
-    from transformers import AutoTokenizer
-
-    from cluster.config import cache_dir, load_config
-    from cluster.workloads.model import resolve_model
-    from cluster.workloads.qa import load_examples, resolve_dataset
-    from cluster.workloads.replicas import replica_cpus, start_replica, wait_ready
-
+def run(args: argparse.Namespace) -> int:
+    """The demo's steps (module docstring): build the workload, run the baselines, start the
+    cluster and run kvblend, stop what it started, report."""
     t_start = time.perf_counter()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in ("kvblend", "full", "vllm_prefix"):
             raise ValueError(f"--modes: unknown mode {m!r} (kvblend, full, vllm_prefix)")
+    demo = _prepare(args)
+    results: dict[str, ModeResult] = {}
+    started_cluster = False
+    ray_address = args.ray_address
+    try:
+        for mode in ("full", "vllm_prefix"):  # baselines first: no kvblend process running
+            if mode in modes:
+                results[mode] = _run_baseline(mode, demo, args.max_tokens)
+        if "kvblend" in modes:
+            if not ray_address:
+                _start_cluster(args, demo.workdir)
+                started_cluster = True
+                ray_address = "auto"
+            results["kvblend"] = _run_kvblend(args, demo.config, demo.model_path, demo.tokenizer, demo.workload,
+                                              demo.prompts, demo.warm_prompts, demo.workdir, ray_address,
+                                              demo.cpus)
+    finally:
+        if started_cluster and not args.keep:
+            _stop_cluster()
+    _report(args, demo, results, time.perf_counter() - t_start)
+    if args.keep and started_cluster:
+        print("cluster left running: `kvblend status`, the Ray dashboard (http://127.0.0.1:8265); "
+              "`kvblend stop && ray stop` to end it")
+    return 0
+
+
+@dataclass(frozen=True)
+class _Demo:
+    """What every mode of one demo shares: paths, config, model, workload and its prompts."""
+
+    workdir: str
+    json_path: str
+    png_path: str
+    config: object            # cluster.config.Config
+    model_path: str
+    tokenizer: object
+    workload: Workload
+    prompts: list[str]        # the measured queries, rendered
+    warm_prompts: list[str]   # the warm-up query, rendered
+    golds: list[tuple[str, ...]]
+    mean_prompt_tokens: float
+    cpus: str                 # CPU ids every engine binds its OpenMP threads to
+
+
+def _prepare(args: argparse.Namespace) -> _Demo:
+    """Step 1: config, model, tokenizer and the workload's prompts; prints the workload's size."""
+    from transformers import AutoTokenizer
+
+    from cluster.config import cache_dir, load_config
+    from cluster.workloads.model import resolve_model
+    from cluster.workloads.qa import load_examples, resolve_dataset
+    from cluster.workloads.replicas import replica_cpus
+
     workdir = os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
-    json_path = args.json or os.path.join(workdir, "demo.json")
-    png_path = args.png or os.path.join(workdir, "demo-ttft.png")
     config = load_config(overrides={"host_size_gib": args.host_size_gib,
                                     "disk_path": os.path.join(workdir, "disk"),
                                     "redis_url": args.redis_url, "s3_url": args.s3_url,
@@ -218,75 +264,75 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - a linear script
     workload = build_workload(examples, args.num_queries, args.passages_per_query, args.holdout, args.seed)
     sep = config.blend.blend_separator
     prompts = [render_prompt(tokenizer, q, sep) for q in workload.queries]
-    warm_prompts = [render_prompt(tokenizer, q, sep) for q in workload.warmup]
-    golds = [q.answers for q in workload.queries]
     n_tokens = statistics.fmean(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     print(f"workload: {len(prompts)} queries x {args.passages_per_query} passages, "
           f"~{n_tokens:.0f} prompt tokens each; {len(workload.ingest)} passages ingested, "
           f"{len(workload.held_out)} held out")
+    return _Demo(workdir, args.json or os.path.join(workdir, "demo.json"),
+                 args.png or os.path.join(workdir, "demo-ttft.png"), config, model_path, tokenizer, workload,
+                 prompts, [render_prompt(tokenizer, q, sep) for q in workload.warmup],
+                 [q.answers for q in workload.queries], n_tokens, args.cpus or replica_cpus(0, 1))
 
-    results: dict[str, ModeResult] = {}
-    started_cluster = False
-    ray_address = args.ray_address
-    cpus = args.cpus or replica_cpus(0, 1)
+
+def _run_baseline(mode: str, demo: _Demo, max_tokens: int) -> ModeResult:
+    """Step 2: one ``vllm serve`` without the connector (``full``: prefix caching off;
+    ``vllm_prefix``: on) answers the queries, then stops."""
+    from cluster.workloads.replicas import start_replica, wait_ready
+
+    t0 = time.perf_counter()
+    rep = start_replica(mode, demo.model_path, use_connector=False,
+                        prefix_caching=(mode == "vllm_prefix"), log_dir=demo.workdir, cpus=demo.cpus)
     try:
-        for mode in ("full", "vllm_prefix"):  # baselines first: no kvblend process running
-            if mode not in modes:
-                continue
-            t0 = time.perf_counter()
-            rep = start_replica(mode, model_path, use_connector=False,
-                                prefix_caching=(mode == "vllm_prefix"), log_dir=workdir, cpus=cpus)
-            try:
-                wait_ready(rep)
-                startup = time.perf_counter() - t0
-                results[mode] = _serve_queries(mode, [rep], workload, prompts, warm_prompts, args.max_tokens)
-                results[mode].startup_s = startup
-            finally:
-                rep.stop()
-        if "kvblend" in modes:
-            if not ray_address:
-                shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
-                server_args = ["server", "--host-size-gib", str(args.host_size_gib),
-                               "--disk-path", os.path.join(workdir, "disk")]
-                if args.redis_url:
-                    server_args += ["--redis-url", args.redis_url]
-                if args.s3_url:
-                    server_args += ["--s3-url", args.s3_url]
-                t0 = time.perf_counter()
-                _kvblend_cli(*server_args)
-                started_cluster = True
-                ray_address = "auto"
-                print(f"cluster: local Ray + shards up in {time.perf_counter() - t0:.1f} s")
-            results["kvblend"] = _run_kvblend(args, config, model_path, tokenizer, workload, prompts,
-                                              warm_prompts, workdir, ray_address, cpus)
+        wait_ready(rep)
+        startup = time.perf_counter() - t0
+        res = _serve_queries(mode, [rep], demo.workload, demo.prompts, demo.warm_prompts, max_tokens)
+        res.startup_s = startup
     finally:
-        if started_cluster and not args.keep:
-            import ray
+        rep.stop()
+    return res
 
-            if ray.is_initialized():  # our own driver (ingest) first: else the raylet's exit looks like a crash
-                ray.shutdown()
-            _kvblend_cli("stop", check=False)
-            subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
-                           capture_output=True)
 
+def _start_cluster(args: argparse.Namespace, workdir: str) -> None:
+    """Step 3's cluster: ``kvblend server`` (local Ray + shards) on an emptied disk tier."""
+    shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
+    server_args = ["server", "--host-size-gib", str(args.host_size_gib),
+                   "--disk-path", os.path.join(workdir, "disk")]
+    if args.redis_url:
+        server_args += ["--redis-url", args.redis_url]
+    if args.s3_url:
+        server_args += ["--s3-url", args.s3_url]
+    t0 = time.perf_counter()
+    _kvblend_cli(*server_args)
+    print(f"cluster: local Ray + shards up in {time.perf_counter() - t0:.1f} s")
+
+
+def _stop_cluster() -> None:
+    """Step 5: this driver's Ray connection, the shards (``kvblend stop``), then Ray itself."""
+    import ray
+
+    if ray.is_initialized():  # our own driver (ingest) first: else the raylet's exit looks like a crash
+        ray.shutdown()
+    _kvblend_cli("stop", check=False)
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
+                   capture_output=True)
+
+
+def _report(args: argparse.Namespace, demo: _Demo, results: dict[str, ModeResult], demo_seconds: float) -> None:
+    """Step 4: the summary per mode (TTFT ratio against ``full``), as JSON, a table and a plot."""
     full = results.get("full")
-    summary = {m: r.summary(full, golds) for m, r in results.items()}
+    summary = {m: r.summary(full, demo.golds) for m, r in results.items()}
     if full is not None:
         for m in summary:
             summary[m]["ttft_ratio"] = summary[m]["ttft_p50_s"] / summary["full"]["ttft_p50_s"]
     summary["_meta"] = {"dataset": args.dataset, "num_queries": args.num_queries,
                         "passages_per_query": args.passages_per_query,
-                        "mean_prompt_tokens": n_tokens, "demo_seconds": time.perf_counter() - t_start,
+                        "mean_prompt_tokens": demo.mean_prompt_tokens, "demo_seconds": demo_seconds,
                         "gold_f1_note": "SmolLM2-135M is weak: gold F1 is noise; agreement with full prefill is the measure"}
-    with open(json_path, "w") as fh:
+    with open(demo.json_path, "w") as fh:
         json.dump(summary, fh, indent=2)
     _print_table(summary)
-    _plot(results, png_path)
-    print(f"wrote {json_path} and {png_path}; demo took {summary['_meta']['demo_seconds']:.0f} s")
-    if args.keep and started_cluster:
-        print("cluster left running: `kvblend status`, the Ray dashboard (http://127.0.0.1:8265); "
-              "`kvblend stop && ray stop` to end it")
-    return 0
+    _plot(results, demo.png_path)
+    print(f"wrote {demo.json_path} and {demo.png_path}; demo took {summary['_meta']['demo_seconds']:.0f} s")
 
 
 def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_prompts, workdir, ray_address,
@@ -330,14 +376,14 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
         startup = time.perf_counter() - t0
         mark = {}
         res = _serve_queries("kvblend", reps, workload, prompts, warm_prompts, args.max_tokens,
-                             after_warmup=lambda: mark.setdefault("n", len(read_stats(stats_path))))
+                             after_warmup=lambda: mark.setdefault("n", len(read_events(stats_path))))
     finally:
         for r in reps:
             r.stop()
     res.startup_s = startup
     res.ingest_s = report.seconds
     res.ingest_tokens = report.tokens
-    res.extra = _connector_summary(read_stats(stats_path)[mark.get("n", 0):])
+    res.extra = _connector_summary(read_events(stats_path)[mark.get("n", 0):])
     status = _kvblend_cli("status", "--json", check=False)
     if status.returncode == 0:
         try:

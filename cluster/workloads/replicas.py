@@ -11,15 +11,16 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
+from cluster.vllm.plugin import CONNECTOR_NAME
+from cluster.workloads.services import free_port
+
 log = logging.getLogger("kvblend.serving")
 
-CONNECTOR_NAME = "KVBlendConnector"
 CONNECTOR_MODULE = "cluster.connector"
 
 
@@ -36,12 +37,6 @@ def default_dtype() -> str:
         return "bfloat16" if torch.cuda.is_available() else "float32"
     except ImportError:
         return "float32"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_transfer_config(extra: dict | None = None) -> str:

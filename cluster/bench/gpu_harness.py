@@ -1,0 +1,346 @@
+"""The harness of ``kvblend bench gpu`` (:mod:`cluster.bench.gpu`): model, tiers, plans, timing loops.
+
+:class:`GpuBench` builds a random-weight Llama-shaped model on the device (wrapped by
+:class:`cluster.bench.fast_llama.FastLlama` or :class:`blend.adapters.hf.HFModelAdapter`),
+computes every chunk's canonical KV once into a gpu, a host and a disk tier, and times per
+prompt length: full prefill, HF's forward, and a blend through each tier (lookup +
+:meth:`blend.engine.BlendEngine.blend`), with the host-to-device copy rate and the disk's raw
+read rate beside them. Prompts are ``| prefix (16) | sep | chunk 1 | sep | chunk 2 | ... | sep | query (32) |``.
+Only the standard library is imported at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import tempfile
+import time
+
+log = logging.getLogger(__name__)
+
+MODEL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=65536,
+                rope_theta=500000.0)
+MODEL_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  rope_theta=10000.0)
+NAMESPACE = "6e6368676275667a"
+PREFIX_TOKENS = 16
+QUERY_TOKENS = 32
+
+
+def _num_chunks(length: int, chunk_tokens: int) -> int:
+    """Chunks (each after a 1-token separator) that bring the prompt closest to ``length``."""
+    return max(1, round((length - PREFIX_TOKENS - QUERY_TOKENS - 1) / (chunk_tokens + 1)))
+
+
+def _drop_page_cache(paths: list[str], how: str) -> str:
+    if how == "keep":
+        return "kept (warm page cache)"
+    if how == "drop":
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            return "dropped (drop_caches)"
+        except OSError:
+            pass
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except (OSError, AttributeError):
+            return "not dropped (no drop_caches, no fadvise)"
+    return "fadvise DONTNEED per file" + (" (drop_caches not allowed)" if how == "drop" else "")
+
+
+class GpuBench:
+    """The model, the tiers and the timing loops of one run (``args``: :mod:`cluster.bench.gpu`'s flags)."""
+
+    def __init__(self, args, device, lengths: list[int]) -> None:
+        import torch
+        import transformers
+
+        from blend import engine as engine_module
+        from blend import ops
+        from blend.adapters.hf import HFModelAdapter
+        from blend.engine import BlendEngine
+
+        self.torch, self.args, self.device = torch, args, device
+        self.engine_module, self.ops = engine_module, ops
+        from blend import attention
+
+        self.reference_attention = attention.blocked_row_attention  # what the engine used before issue 9
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        shape = MODEL_TINY if args.tiny else MODEL_7B
+        dtype = torch.bfloat16 if device.type == "cuda" or not args.tiny else torch.float32
+        config = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
+        config._attn_implementation = "sdpa"
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = transformers.LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(default)
+        log.info("model built on %s in %.1f s", device, time.perf_counter() - t0)
+        self.hf_model = model
+
+        class _Adapter(HFModelAdapter):
+            def rotate_k(self, k, from_positions, to_positions):  # Triton re-rotation (a copy)
+                inv_freq = self.__dict__.get("_inv_freq_dev")
+                if inv_freq is None or inv_freq.device != k.device:  # no per-layer host->device copy
+                    inv_freq = self.__dict__["_inv_freq_dev"] = self._inv_freq.to(k.device)
+                return ops.rerotate_k_(k.clone(), from_positions, to_positions, inv_freq)
+
+        self.adapter = _Adapter(model, model_id="bench-llama")
+        self.spec = self.adapter.spec
+        self.model_check = None
+        if args.model_impl == "fast":
+            use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+            from cluster.bench.fast_llama import FastLlama
+
+            fast = FastLlama(model, self.adapter.spec, self.adapter.scale, ops, use_compile)
+            self.model_check = _check_model(fast, model, torch, device)
+            self.adapter = fast
+        self.model_desc = {k: shape[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                 "num_key_value_heads", "intermediate_size", "vocab_size")}
+        self.model_desc["dtype"] = str(dtype).removeprefix("torch.")
+        self.model_desc["impl"] = (
+            "cluster.bench.fast_llama.FastLlama (fused qkv / gate_up weights of the same "
+            f"LlamaForCausalLM, compile={getattr(self.adapter, 'compiled', False)})"
+            if args.model_impl == "fast" else "transformers.LlamaForCausalLM + blend.adapters.hf.HFModelAdapter")
+        self.model_desc["check_vs_hf_forward"] = self.model_check
+        self.BlendEngine = BlendEngine
+        self._set_attention(args.attention)
+        self._build_chunks(max(lengths))
+
+    # ------------------------------------------------------------------ setup
+    def _set_attention(self, which: str) -> None:
+        self.engine_module.causal_attention = self.ops.causal_attention if which == "ops" else self.reference_attention
+
+    def _build_chunks(self, max_length: int) -> None:
+        torch = self.torch
+        from tiers.disk import DiskTier
+        from tiers.format import encode_chunk
+        from tiers.gpu import GpuTier
+        from tiers.host import HostTier
+        from tiers.keys import segment_key
+        from tiers.staging import StagedSource
+
+        n = self.args.chunk_tokens
+        num_chunks = _num_chunks(max_length, n)
+        gen = torch.Generator().manual_seed(1)
+        vocab = self.spec.vocab_size
+        self.chunk_ids = [torch.randint(8, vocab, (n,), generator=gen).tolist() for _ in range(num_chunks)]
+        self.prefix_ids = torch.randint(8, vocab, (PREFIX_TOKENS,), generator=gen).tolist()
+        self.query_ids = torch.randint(8, vocab, (QUERY_TOKENS,), generator=gen).tolist()
+        self.sep_id = 3
+        self.keys = [segment_key(NAMESPACE, ids) for ids in self.chunk_ids]
+        kv_bytes = num_chunks * self.spec.num_layers * 2 * n * self.spec.num_kv_heads * self.spec.head_dim * 2
+        self.gpu_tier = GpuTier(2 * kv_bytes + (1 << 30), self.device)
+        self.host_tier = HostTier(2 * kv_bytes + (1 << 30))
+        self.disk_dir = self.args.disk_dir or tempfile.mkdtemp(prefix="kvblend-bench-gpu-")
+        self.disk_tier = DiskTier(self.disk_dir, 2 * kv_bytes + (1 << 30), fsync=False)
+        engine = self.BlendEngine(self.adapter)
+        t0 = time.perf_counter()
+        kv_dtype = str(self.adapter.dtype).removeprefix("torch.")
+        for key, ids in zip(self.keys, self.chunk_ids, strict=False):
+            kv = torch.stack(engine.prefill(ids, want_logits=False).kv)  # [L, 2, n, H, D]
+            self.gpu_tier.put(key, kv)
+            host = kv.cpu()
+            raw = host.view(torch.uint8).view(host.shape[0], -1).numpy()
+            obj = encode_chunk(key, [raw[i] for i in range(host.shape[0])], dtype=kv_dtype,
+                               num_tokens=n, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim)
+            self.host_tier.put(key, obj)
+            self.disk_tier.put(key, obj)
+        log.info("%d chunks cached in gpu/host/disk tiers in %.1f s (%.2f GB each tier)", num_chunks,
+                 time.perf_counter() - t0, kv_bytes / 1e9)
+        self.sources = {"gpu": StagedSource(self.gpu_tier, self.device),
+                        "host": StagedSource(self.host_tier, self.device, verify=self.args.verify_host),
+                        "disk": StagedSource(self.disk_tier, self.device)}
+        self.page_cache = "not dropped (no disk run yet)"
+
+    def _plan(self, length: int):
+        from blend.plan import CHUNK, PREFIX, QUERY, SEPARATOR, BlendPlan, Segment
+
+        n = self.args.chunk_tokens
+        num_chunks = _num_chunks(length, n)
+        ids = list(self.prefix_ids)
+        segments = [Segment(PREFIX, 0, len(ids))]
+        for key, chunk in zip(self.keys[:num_chunks], self.chunk_ids[:num_chunks], strict=False):
+            segments.append(Segment(SEPARATOR, len(ids), len(ids) + 1))
+            ids.append(self.sep_id)
+            segments.append(Segment(CHUNK, len(ids), len(ids) + n, key=key, hit=True,
+                                    stored_positions=tuple(range(n))))
+            ids.extend(chunk)
+        segments.append(Segment(SEPARATOR, len(ids), len(ids) + 1))
+        ids.append(self.sep_id)
+        segments.append(Segment(QUERY, len(ids), len(ids) + QUERY_TOKENS))
+        ids.extend(self.query_ids)
+        return BlendPlan(tuple(ids), tuple(segments), check_layers=(self.args.check_layer,),
+                         recompute_ratios=(self.args.ratio,), blend_end=len(ids)), num_chunks
+
+    # ------------------------------------------------------------------ timing
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def _timed(self, fn, repeats: int) -> tuple[float, object]:
+        fn()  # warm-up (compiles, allocates pinned slots)
+        times, last = [], None
+        for _ in range(repeats):
+            self._sync()
+            t0 = time.perf_counter()
+            last = fn()
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), last
+
+    def _blend_fn(self, plan, tier: str, num_chunks: int):
+        source = self.sources[tier]
+        engine = self.BlendEngine(self.adapter, source)
+        keys = self.keys[:num_chunks]
+        disk_files = [self.disk_tier._file(k) for k in keys]  # noqa: SLF001 - bench only
+
+        def fn():
+            if tier == "disk":
+                self._sync()
+                self.page_cache = _drop_page_cache(disk_files, self.args.page_cache)
+            metas = source.lookup(keys)
+            if any(m is None for m in metas):
+                raise RuntimeError(f"{tier} tier lost chunks")
+            result = engine.blend(plan, want_logits=True)
+            if result.counters.full_prefill_reason is not None:
+                raise RuntimeError(f"blend fell back to prefill: {result.counters.full_prefill_reason}")
+            return result
+        return fn
+
+    def measure(self, length: int, also_engine: bool = False) -> dict:
+        torch = self.torch
+        plan, num_chunks = self._plan(length)
+        repeats = self.args.repeats
+        ids = list(plan.token_ids)
+        prefill_engine = self.BlendEngine(self.adapter)
+        full_s, _ = self._timed(lambda: prefill_engine.prefill(ids, want_logits=True), repeats)
+        ids_t = torch.tensor([ids], device=self.device)
+        with torch.no_grad():
+            full_hf_s, _ = self._timed(lambda: self.hf_model(ids_t, use_cache=False, logits_to_keep=1), repeats)
+        gpu_s, res = self._timed(self._blend_fn(plan, "gpu", num_chunks), repeats)
+        counters = res.counters
+        host_src = self.sources["host"]
+        host_fn = self._blend_fn(plan, "host", num_chunks)
+        host_fn()  # warm-up outside the stats
+        host_src.reset_stats()
+        host_s, host_res = self._timed(host_fn, repeats)
+        stats = host_src.transfer_stats()
+        disk_s, disk_res = self._timed(self._blend_fn(plan, "disk", num_chunks), max(1, repeats - 1))
+        disk_raw_gbps = self._disk_raw_gbps(num_chunks)
+        layer_bytes = stats.num_bytes // max(1, stats.num_copies)
+        baseline = self._h2d_baseline(layer_bytes, self.spec.num_layers) if self.device.type == "cuda" else 0.0
+        row = {
+            "num_tokens": len(ids), "num_chunks": num_chunks,
+            "full_s": full_s, "full_hf_s": full_hf_s,
+            "blend_gpu_s": gpu_s, "blend_host_s": host_s, "blend_disk_s": disk_s,
+            "ratio_gpu": gpu_s / full_s, "ratio_host": host_s / full_s, "ratio_disk": disk_s / full_s,
+            "h2d_gbps": stats.gbps, "h2d_baseline_gbps": baseline,
+            "h2d_bytes_per_copy": layer_bytes,
+            "overlap": host_s / gpu_s, "disk_raw_gbps": disk_raw_gbps,
+            "selected_tokens": counters.selected_tokens, "reused_tokens": counters.reused_tokens,
+            "recomputed_tokens_last_layer": counters.recomputed_tokens_per_layer[-1],
+            "load_wait_gpu_s": counters.load_wait_s, "load_wait_host_s": host_res.counters.load_wait_s,
+            "load_wait_disk_s": disk_res.counters.load_wait_s,
+            "disk_read_counters": self.sources["disk"].read_counters.snapshot(),
+        }
+        if also_engine:
+            self._set_attention("engine")
+            try:
+                row["blend_gpu_engine_attention_s"], _ = self._timed(self._blend_fn(plan, "gpu", num_chunks), repeats)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory with the dense mask
+                row["blend_gpu_engine_attention_s"] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                self._set_attention(self.args.attention)
+        return row
+
+    def _disk_raw_gbps(self, num_chunks: int) -> float:
+        """GB/s of reading the chunk files whole (8 threads, page cache dropped as for the
+        disk runs, no checksums): the disk's own ceiling for the disk tier."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        paths = [self.disk_tier._file(k) for k in self.keys[:num_chunks]]  # noqa: SLF001 - bench only
+        _drop_page_cache(paths, self.args.page_cache)
+
+        def read(path: str) -> int:
+            with open(path, "rb", buffering=0) as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                return f.readinto(buf)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            total = sum(pool.map(read, paths))
+        return total / (time.perf_counter() - t0) / 1e9
+
+    def _h2d_baseline(self, nbytes: int, num_copies: int) -> float:
+        """GB/s of ``num_copies`` pinned ``copy_`` of ``nbytes`` each, on a side stream."""
+        torch = self.torch
+        if nbytes <= 0:
+            return 0.0
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        best = 0.0
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record()
+                for _ in range(num_copies):
+                    dst.copy_(src, non_blocking=True)
+                end.record()
+            end.synchronize()
+            best = max(best, nbytes * num_copies / (start.elapsed_time(end) / 1e3) / 1e9)
+        return best
+
+    def profile(self, length: int, path: str) -> None:
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+
+        plan, num_chunks = self._plan(length)
+        fn = self._blend_fn(plan, "host", num_chunks)
+        fn()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            fn()
+            self._sync()
+        table = prof.key_averages()
+        with open(path, "w") as f:
+            f.write(f"one host-tier blend at {length} tokens\n\n== by self CPU time ==\n")
+            f.write(table.table(sort_by="self_cpu_time_total", row_limit=30))
+            if self.device.type == "cuda":
+                f.write("\n\n== by device time ==\n")
+                try:
+                    f.write(table.table(sort_by="device_time_total", row_limit=30))
+                except (KeyError, AttributeError, RuntimeError):
+                    f.write(table.table(sort_by="cuda_time_total", row_limit=30))
+        del torch
+
+    def close(self) -> None:
+        for src in self.sources.values():
+            src.close()
+
+
+def _check_model(fast, hf_model, torch, device) -> dict:
+    """Last-token logits of ``fast`` (through the engine) against HF's own forward, 256 tokens."""
+    from blend.engine import BlendEngine
+
+    ids = torch.randint(8, fast.spec.vocab_size, (256,), generator=torch.Generator().manual_seed(5)).tolist()
+    got = BlendEngine(fast).prefill(ids).logits.double()
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids], device=device), use_cache=False).logits[0, -1].double()
+    return {"rel_err": float((got - want).norm() / want.norm()),
+            "argmax_match": bool(int(got.argmax()) == int(want.argmax()))}
