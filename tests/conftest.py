@@ -1,7 +1,11 @@
-"""Shared fixtures: markers, the prepared default model, small factories.
+"""Run order by marker, the GPU skip, and the prepared default model.
 
-Services (redis-server, the S3 endpoint, Ray) are started by fixtures in
-``tests/services.py``; vLLM engines by session-scoped fixtures in ``tests/vllm/``.
+Markers (registered in pyproject.toml): ``vllm_engine`` and ``shared_ray`` order the run (see
+:data:`ORDER_MARKERS`), ``gpu`` skips a test where there is no CUDA, ``slow`` says a test starts
+a vLLM engine or a Ray cluster. Services (redis-server, the S3 endpoint) are started by
+fixtures in ``tests/services.py`` (a plugin of this conftest, so every directory has them);
+the session Ray cluster by ``tests/cluster/conftest.py``; vLLM engines by session-scoped
+fixtures in ``tests/cluster/vllm/conftest.py``. Factories are in ``tests/factories.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import tempfile
 
 import pytest
 
+#: The service fixtures (redis_url, s3_endpoint, private_redis, ...) for every test directory.
+pytest_plugins = ["tests.services"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Chunks a test stores without Ray go to the machine-local disk cache (cluster.cache.local.
@@ -19,17 +26,32 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("KVBLEND_DISK_PATH", tempfile.mkdtemp(prefix="kvblend-test-disk-"))
 
 
-def pytest_collection_modifyitems(config, items):
-    # tests/vllm first: its in-process vLLM engines walk sys.modules when they start
-    # (vllm.triton_utils.dispatcher) and die on Flask's LocalProxy objects, which moto's S3
-    # server (tests/tiers, tests/cluster) imports into this process.
-    # tests/cluster last: it holds one Ray cluster for the whole session (torn down at the end),
-    # so no other test's `kvblend server` or vLLM connector joins it by ray_address="auto".
-    def order(item) -> int:
-        path = str(item.fspath)
-        return 0 if "/tests/vllm/" in path else 2 if "/tests/cluster/" in path else 1
+#: Run order, by marker (tests with neither run in between, in collection order).
+#: vllm_engine first: an in-process vLLM engine walks sys.modules when it starts
+#: (vllm.triton_utils.dispatcher) and dies on Flask's LocalProxy objects, which moto's S3 server
+#: (the ``s3_endpoint`` fixture, tests that start shards with an S3 tier) imports into this process.
+#: shared_ray last: the session Ray cluster of tests/cluster/conftest.py stays up until the end,
+#: and no other test's ``kvblend server`` or vLLM connector may join it by ray_address="auto".
+ORDER_MARKERS = ("vllm_engine", None, "shared_ray")
 
-    items.sort(key=order)
+#: Fixtures whose tests must carry a marker, or the order above would silently not hold.
+FIXTURE_MARKERS = {"blend_llm": "vllm_engine", "ray_cluster": "shared_ray"}
+
+
+def _order(item) -> int:
+    for rank, marker in enumerate(ORDER_MARKERS):
+        if marker is not None and item.get_closest_marker(marker) is not None:
+            return rank
+    return ORDER_MARKERS.index(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [f"{item.nodeid} uses {fixture} without @pytest.mark.{marker}"
+                for item in items for fixture, marker in FIXTURE_MARKERS.items()
+                if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None]
+    if unmarked:
+        raise pytest.UsageError("run-order markers missing (see tests/conftest.py):\n" + "\n".join(unmarked))
+    items.sort(key=_order)  # stable: collection order within each group
     try:
         import torch
 

@@ -1,20 +1,25 @@
-"""Session-scoped pytest fixtures for the backing services the suite starts itself.
+"""Pytest fixtures for the backing services the suite starts itself (redis-server, moto's S3).
 
-Import them into a test package's ``conftest.py`` (``from services import *`` works because
-``tests/`` is on ``sys.path`` once ``tests/conftest.py`` is loaded):
+``tests/conftest.py`` loads this module as a plugin (``pytest_plugins``), so every test can take
+these fixtures by name; test modules never start services themselves, so the tests of
+``tiers/`` reach the service starters of :mod:`cluster.workloads.services` only through them.
 
-* ``redis_server`` — a :class:`cluster.workloads.services.RedisProcess` (``.url``, ``.kill()``,
-  ``.restart()``); ``redis_url`` — its URL.
-* ``s3_endpoint`` — ``(endpoint_url, bucket)`` of a moto S3 server.
+* ``redis_server`` — session-wide :class:`cluster.workloads.services.RedisProcess` (``.url``,
+  ``.kill()``, ``.restart()``); ``redis_url`` — its URL.
+* ``private_redis`` — ``private_redis(*redis_server_args) -> RedisProcess``: a fresh
+  redis-server of this test's own (to kill, or with other settings), stopped when it ends.
+* ``s3_endpoint`` — session-wide ``(endpoint_url, bucket)`` of a moto S3 server (importing moto
+  breaks in-process vLLM engines started later: see the ``vllm_engine`` marker).
+* ``unused_port`` — a TCP port on 127.0.0.1 that nobody listened on a moment ago.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from cluster.workloads.services import start_redis_process, start_s3
-
-__all__ = ["redis_server", "redis_url", "s3_endpoint"]
+from cluster.workloads.services import free_port, start_redis_process, start_s3
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +33,18 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
+@pytest.fixture
+def private_redis():
+    with contextlib.ExitStack() as stack:
+        yield lambda *args: stack.enter_context(start_redis_process(*args))
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     with start_s3() as endpoint:
         yield endpoint
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()

@@ -1,12 +1,12 @@
-"""Fixtures for blend tests (factories live in ``blend_factories.py``)."""
+"""Fixtures of the blend tests (factories live in ``tests/factories.py``)."""
 
 from __future__ import annotations
 
 import pytest
-from blend_factories import tiny_adapter
 
 from blend.engine import BlendEngine
 from cluster.cache.local import LocalCacheClient
+from tests.factories import tiny_adapter
 from tiers.tier import MemoryTier
 
 

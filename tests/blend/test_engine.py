@@ -1,6 +1,6 @@
 """Blend engine against full prefill (the oracle) on tiny random-weight models, float32.
 
-Tolerance: F32_TOL (see blend_factories) — same math, different summation order only.
+Tolerance: F32_TOL (see tests/factories.py) — same math, different summation order only.
 """
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ import itertools
 
 import pytest
 import torch
-from blend_factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks
 from torch.testing import assert_close
+
+from tests.factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks
 
 MODEL_TYPES = ["llama", "mistral", "qwen2"]
 
 
 def _hf_reference(adapter, ids):
-    """KV ([2, N, H, D] per layer) and last logits from HF's own forward (SDPA)."""
+    """KV ([2, T, H, D] per layer) and last logits from HF's own forward (SDPA)."""
     with torch.no_grad():
         out = adapter.model(torch.tensor([ids]), use_cache=True)
     cache = out.past_key_values
@@ -102,7 +103,7 @@ def test_unselected_rows_keep_cached_kv_bit_for_bit(make_setup):
 
 
 @pytest.mark.parametrize("score", ["k", "v", "kv"])
-def test_selected_rows_are_the_top_k_deviation(make_setup, score):
+def test_selected_rows_are_the_top_deviation(make_setup, score):
     from blend.engine import BlendEngine
 
     engine, client, chunks = _setup(make_setup)
@@ -137,10 +138,9 @@ def test_threshold_drops_low_scorers(make_setup):
 def test_second_check_layer_shrinks_the_set(make_setup):
     engine, client, chunks = _setup(make_setup)
     ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
-    from blend_factories import NAMESPACE
-
     from blend.config import BlendConfig
     from blend.planner import make_plan
+    from tests.factories import NAMESPACE
     plan = make_plan(ids, spans, NAMESPACE, client,
                      BlendConfig(check_layers=(1, 2), recompute_ratios=(0.5, 0.2), min_tokens=0),
                      query_to_engine=True)

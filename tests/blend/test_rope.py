@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from blend_factories import (
+from torch.testing import assert_close
+
+from blend.attention import blocked_row_attention, dense_attention_reference
+from blend.rope import apply_rope, check_blendable, inv_freq_for, rerotate_k
+from tests.factories import (
     F32_TOL,
     blend_prompt,
     plan_for,
@@ -17,10 +21,6 @@ from blend_factories import (
     store_chunks,
     tiny_adapter,
 )
-from torch.testing import assert_close
-
-from blend.attention import attend, attend_reference
-from blend.rope import apply_rope, check_blendable, inv_freq_for, rerotate_k
 
 ROPE_TOL = dict(rtol=5e-4, atol=5e-4)
 
@@ -113,14 +113,14 @@ def test_scattered_rows_attention_matches_dense_reference(gqa):
     k = torch.randn(num_tokens, kv_heads, dim)
     v = torch.randn(num_tokens, kv_heads, dim)
     rows = torch.tensor([0, 3, 4, 17, 30, 49])
-    got = attend(q[rows], k, v, rows, dim ** -0.5)
-    want = attend_reference(q[rows], k, v, rows, dim ** -0.5)
+    got = blocked_row_attention(q[rows], k, v, rows, dim ** -0.5)
+    want = dense_attention_reference(q[rows], k, v, rows, dim ** -0.5)
     assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert_close(attend(q, k, v, None, 0.3), attend_reference(q, k, v, None, 0.3), rtol=1e-5, atol=1e-5)
+    assert_close(blocked_row_attention(q, k, v, None, 0.3), dense_attention_reference(q, k, v, None, 0.3), rtol=1e-5, atol=1e-5)
     # A row's output depends only on keys at or before it.
     k2 = k.clone()
     k2[18:] = 100.0
-    assert_close(attend(q[rows[:4]], k2, v, rows[:4], 0.3), attend(q[rows[:4]], k, v, rows[:4], 0.3))
+    assert_close(blocked_row_attention(q[rows[:4]], k2, v, rows[:4], 0.3), blocked_row_attention(q[rows[:4]], k, v, rows[:4], 0.3))
 
 
 def test_attention_blocks_and_unsorted_rows_match_reference():
@@ -133,7 +133,7 @@ def test_attention_blocks_and_unsorted_rows_match_reference():
     k = torch.randn(num_tokens, 2, 8)
     v = torch.randn(num_tokens, 2, 8)
     rows = torch.randperm(num_tokens)[:QUERY_BLOCK * 2 + 10]
-    assert_close(attend(q[rows], k, v, rows, 0.35), attend_reference(q[rows], k, v, rows, 0.35),
+    assert_close(blocked_row_attention(q[rows], k, v, rows, 0.35), dense_attention_reference(q[rows], k, v, rows, 0.35),
                  rtol=1e-5, atol=1e-5)
 
 

@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-from blend_factories import F32_TOL, NAMESPACE, blend_prompt, plan_for, random_chunks, store_chunks
 from torch.testing import assert_close
 
 from blend.config import DEFAULT_SEPARATOR, BlendConfig
 from blend.planner import make_plan
 from blend.segments import build_blend_prompt, chunk_token_ids, find_segments, split_text
+from tests.factories import F32_TOL, NAMESPACE, blend_prompt, plan_for, random_chunks, store_chunks
 from tiers.keys import segment_key
 
 QA = "/work/shared/data/qa/musique_s.norm.jsonl"

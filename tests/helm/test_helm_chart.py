@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from _helm_chart import CHART, K8S_VERSION, NAMESPACE, RELEASE
+from tests.helm._helm_chart import CHART, K8S_VERSION, NAMESPACE, RELEASE
 
 # CRDs of operators we do not validate with kubernetes-validate (not in its schemas).
 CUSTOM_API_GROUPS = ("ray.io/", "monitoring.coreos.com/")

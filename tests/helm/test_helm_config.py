@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from _helm_chart import CHART, NAMESPACE, RELEASE
+from tests.helm._helm_chart import CHART, NAMESPACE, RELEASE
 
 from cluster.config import FIELD_SECTION, FIELDS, describe_fields, load_config
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import tomllib
 import yaml
-from _helm_chart import CHART, REPO
+from tests.helm._helm_chart import CHART, REPO
 
 INSTRUCTIONS = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "USER", "ENTRYPOINT",
                 "CMD", "EXPOSE", "LABEL", "HEALTHCHECK", "SHELL", "STOPSIGNAL", "VOLUME", "ONBUILD"}

@@ -8,7 +8,7 @@ import re
 import shlex
 
 import pytest
-from _helm_chart import RELEASE
+from tests.helm._helm_chart import RELEASE
 
 GIB = 2**30
 MI = 2**20

@@ -1,4 +1,4 @@
-"""The main job at tiny size (`kvblend demo`), and examples/blend.py, as a user runs them."""
+"""The main job at tiny size (`kvblend demo`), and examples/blend_rag.py, as a user runs them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ BIN = pathlib.Path(sys.executable).parent
 
 def _env() -> dict:
     env = dict(os.environ)
-    # tests/vllm's in-process engines set this in our environment; a user's shell has it unset.
+    # tests/cluster/vllm's in-process engines set this in our environment; a user's shell has it unset.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
     return env
@@ -40,8 +40,8 @@ def test_demo_tiny(tmp_path):
     assert "kvblend demo" in r.stdout             # the table was printed
 
 
-def test_examples_blend_runs_as_is():
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "blend.py")], env=_env(),
+def test_examples_blend_rag_runs_as_is():
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "blend_rag.py")], env=_env(),
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [line for line in r.stdout.splitlines() if "TTFT" in line]

@@ -31,7 +31,7 @@ def readme_block(marker: str) -> str:
 
 def _env() -> dict:
     env = dict(os.environ)
-    # tests/vllm's in-process engines set this in our environment; a user's shell has it unset.
+    # tests/cluster/vllm's in-process engines set this in our environment; a user's shell has it unset.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

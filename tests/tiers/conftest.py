@@ -1,12 +1,11 @@
-"""Fixtures of the tiers tests (factories live in tier_factories.py)."""
+"""Fixtures of the tiers tests (factories live in ``tests/factories.py``; the service fixtures
+of ``tests/services.py``, e.g. ``redis_url``, reach every test through ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
 import uuid
 
 import pytest
-from services import redis_server, redis_url, s3_endpoint  # noqa: F401  (session fixtures)
-from tier_factories import make_key, make_kv, make_object  # noqa: F401
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tier_factories import make_key, make_kv, make_object
 
+from tests.factories import make_key, make_kv, make_object
 from tiers.format import FormatError, decode_layer, parse_header
 from tiers.host import HostTier
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tier_factories import make_key, make_kv, make_object
 
+from tests.factories import make_key, make_kv, make_object
 from tiers.gpu import GpuTier
 from tiers.host import HostTier
 

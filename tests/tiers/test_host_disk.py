@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-from tier_factories import make_key, make_kv, make_object
 
+from tests.factories import make_key, make_kv, make_object
 from tiers.disk import DiskTier
 from tiers.host import HostTier
 

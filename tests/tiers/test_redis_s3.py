@@ -4,47 +4,46 @@ from __future__ import annotations
 
 import botocore.exceptions
 import pytest
-from tier_factories import as_layer, layer_buffers, make_key, make_kv, make_object
 
-from cluster.workloads.services import free_port, start_redis, start_redis_process
+from tests.factories import as_layer, layer_buffers, make_key, make_kv, make_object
 from tiers.reader import ReadCounters, read_layers
 from tiers.redis_tier import RedisTier
 from tiers.s3 import S3Tier, parse_s3_url
 
 
-def test_redis_killed_mid_test_gives_misses_then_recovers():
-    with start_redis_process() as server:
-        tier = RedisTier(server.url, timeout_s=0.5)
-        key = make_key(1)
-        kv = make_kv()
-        assert tier.put(key, make_object(key, kv))
-        server.kill()
-        counters = ReadCounters()
-        assert read_layers(tier, key, [0], layer_buffers(kv)[:1], counters=counters) is None
-        assert counters.snapshot()["misses"] == 1
-        assert tier.contains([key, make_key(2)]) == [False, False]
-        assert tier.get(key) is None and tier.get_ranges(key, [(0, 4)]) is None
-        assert not tier.put(make_key(3), make_object(make_key(3), kv))
-        assert tier.delete([key]) == 0
-        assert tier.stats()["errors"] >= 6
-        server.restart()                                  # empty again (no persistence)
-        assert tier.put(key, make_object(key, kv))
-        outs = layer_buffers(kv)
-        assert read_layers(tier, key, range(3), outs) is not None
-        assert as_layer(outs[2], kv[2]).equal(kv[2])
+def test_redis_killed_mid_test_gives_misses_then_recovers(private_redis):
+    server = private_redis()
+    tier = RedisTier(server.url, timeout_s=0.5)
+    key = make_key(1)
+    kv = make_kv()
+    assert tier.put(key, make_object(key, kv))
+    server.kill()
+    counters = ReadCounters()
+    assert read_layers(tier, key, [0], layer_buffers(kv)[:1], counters=counters) is None
+    assert counters.snapshot()["misses"] == 1
+    assert tier.contains([key, make_key(2)]) == [False, False]
+    assert tier.get(key) is None and tier.get_ranges(key, [(0, 4)]) is None
+    assert not tier.put(make_key(3), make_object(make_key(3), kv))
+    assert tier.delete([key]) == 0
+    assert tier.stats()["errors"] >= 6
+    server.restart()                                  # empty again (no persistence)
+    assert tier.put(key, make_object(key, kv))
+    outs = layer_buffers(kv)
+    assert read_layers(tier, key, range(3), outs) is not None
+    assert as_layer(outs[2], kv[2]).equal(kv[2])
 
 
-def test_redis_value_over_proto_max_bulk_len_is_refused_clearly(caplog):
-    with start_redis("--proto-max-bulk-len", "1mb") as url:
-        tier = RedisTier(url)
-        key = make_key(1)
-        big = make_object(key, make_kv(num_tokens=1024, num_kv_heads=4, head_dim=64, num_layers=3))
-        assert len(big) > 1 << 20
-        assert not tier.put(key, big)
-        assert tier.stats()["too_large"] == 1
-        assert "proto-max-bulk-len" in caplog.text
-        small = make_object(make_key(2), make_kv())
-        assert tier.put(make_key(2), small)
+def test_redis_value_over_proto_max_bulk_len_is_refused_clearly(caplog, private_redis):
+    url = private_redis("--proto-max-bulk-len", "1mb").url
+    tier = RedisTier(url)
+    key = make_key(1)
+    big = make_object(key, make_kv(num_tokens=1024, num_kv_heads=4, head_dim=64, num_layers=3))
+    assert len(big) > 1 << 20
+    assert not tier.put(key, big)
+    assert tier.stats()["too_large"] == 1
+    assert "proto-max-bulk-len" in caplog.text
+    small = make_object(make_key(2), make_kv())
+    assert tier.put(make_key(2), small)
 
 
 def test_redis_ttl_and_pipelined_contains(redis_url):
@@ -73,8 +72,8 @@ def test_s3_url_parsing():
         parse_s3_url("s3:///p")
 
 
-def test_s3_dead_endpoint_gives_misses():
-    tier = S3Tier("s3://nobucket/x", endpoint_url=f"http://127.0.0.1:{free_port()}",
+def test_s3_dead_endpoint_gives_misses(unused_port):
+    tier = S3Tier("s3://nobucket/x", endpoint_url=f"http://127.0.0.1:{unused_port}",
                   region="us-east-1", timeout_s=0.3, max_attempts=2)
     key = make_key(1)
     kv = make_kv()
@@ -121,17 +120,17 @@ def test_s3_multipart_put_round_trip(make_tier):
     assert bytes(tier.get(key)) == obj
 
 
-def test_redis_password_from_url_and_never_logged(caplog):
+def test_redis_password_from_url_and_never_logged(caplog, private_redis):
     import logging
 
     caplog.set_level(logging.DEBUG)
-    with start_redis_process("--requirepass", "s3cret-pw") as server:
-        url = server.url.replace("redis://", "redis://:s3cret-pw@")
-        tier = RedisTier(url)
-        key = make_key(1)
-        assert tier.put(key, make_object(key, make_kv()))
-        assert tier.contains([key]) == [True]
-        wrong = RedisTier(server.url.replace("redis://", "redis://:wrong@"))
-        assert wrong.contains([key]) == [False] and not wrong.put(key, b"x")
-        assert wrong.stats()["errors"] == 2
+    server = private_redis("--requirepass", "s3cret-pw")
+    url = server.url.replace("redis://", "redis://:s3cret-pw@")
+    tier = RedisTier(url)
+    key = make_key(1)
+    assert tier.put(key, make_object(key, make_kv()))
+    assert tier.contains([key]) == [True]
+    wrong = RedisTier(server.url.replace("redis://", "redis://:wrong@"))
+    assert wrong.contains([key]) == [False] and not wrong.put(key, b"x")
+    assert wrong.stats()["errors"] == 2
     assert "s3cret-pw" not in caplog.text and "wrong@" not in caplog.text

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from tier_factories import as_layer, layer_buffers, make_key, make_kv, make_object
 
+from tests.factories import as_layer, layer_buffers, make_key, make_kv, make_object
 from tiers.format import CODEC_LZ4, parse_header
 from tiers.host import HostTier
 from tiers.stack import TierStack
@@ -218,22 +218,21 @@ def test_stack_from_config(tmp_path, redis_url, s3_endpoint):
     assert TierStack.from_config(TiersConfig(disk_size_gib=0), "").tiers[0].name == "host"
 
 
-def test_dead_redis_in_the_middle_of_a_stack_falls_through_to_s3(make_tier):
-    from cluster.workloads.services import start_redis_process
+def test_dead_redis_in_the_middle_of_a_stack_falls_through_to_s3(make_tier, private_redis):
     from tiers.redis_tier import RedisTier
 
-    with start_redis_process() as server:
-        host, redis, s3 = HostTier(1 << 20), RedisTier(server.url, timeout_s=0.5), make_tier("s3")
-        stack = TierStack([host, redis, s3], compression="lz4")
-        key = make_key(1)
-        kv = make_kv()
-        stack.put(key, make_object(key, kv))
-        assert stack.flush(30)
-        host.delete([key])
-        server.kill()
-        outs = layer_buffers(kv)
-        assert stack.read_layers(key, range(3), outs) is not None     # served by S3
-        assert all(as_layer(o, kv[i]).equal(kv[i]) for i, o in enumerate(outs))
-        assert stack.flush(30) and host.contains([key]) == [True]     # promoted past dead Redis
-        assert redis.stats()["errors"] >= 2                           # its read and its promotion put
-        stack.close()
+    server = private_redis()
+    host, redis, s3 = HostTier(1 << 20), RedisTier(server.url, timeout_s=0.5), make_tier("s3")
+    stack = TierStack([host, redis, s3], compression="lz4")
+    key = make_key(1)
+    kv = make_kv()
+    stack.put(key, make_object(key, kv))
+    assert stack.flush(30)
+    host.delete([key])
+    server.kill()
+    outs = layer_buffers(kv)
+    assert stack.read_layers(key, range(3), outs) is not None     # served by S3
+    assert all(as_layer(o, kv[i]).equal(kv[i]) for i, o in enumerate(outs))
+    assert stack.flush(30) and host.contains([key]) == [True]     # promoted past dead Redis
+    assert redis.stats()["errors"] >= 2                           # its read and its promotion put
+    stack.close()

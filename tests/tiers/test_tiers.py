@@ -7,7 +7,8 @@ import struct
 
 import pytest
 import torch
-from tier_factories import (
+
+from tests.factories import (
     BYTE_TIERS,
     as_layer,
     layer_buffers,
@@ -16,7 +17,6 @@ from tier_factories import (
     make_namespace,
     make_object,
 )
-
 from tiers.format import CODEC_LZ4, CODEC_RAW, PREFIX_BYTES, parse_header
 from tiers.reader import ReadCounters, read_header, read_layer, read_layers
 

@@ -1,0 +1,116 @@
+"""CacheClient over real shard actors on a 2-node Ray cluster: round trips, sharing, spread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.factories import NAMESPACE, make_key, shard_kv
+
+pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+
+
+def test_one_shard_per_node(ray_cluster, shards, kvconfig):
+    import ray
+
+    from cluster.cache.lifecycle import get_shard
+
+    cluster, _ = ray_cluster
+    assert len(shards) == 2
+    infos = [ray.get(get_shard(n, kvconfig.cluster.ray_namespace).ready.remote()) for n in shards]
+    assert len({i["node_id"] for i in infos}) == 2  # one per node
+    for info in infos:
+        assert info["name"] in shards and info["node_id"][:8] in info["name"]
+        assert info["disk_path"].endswith(info["name"])
+
+
+def test_put_lookup_fetch_round_trip(client):
+    keys = [make_key(100 + i) for i in range(12)]
+    kvs = [shard_kv(i, num_tokens=8 + i) for i in range(12)]
+    for k, kv in zip(keys, kvs, strict=True):
+        client.put(k, kv)
+    assert client.flush(30)
+    metas = client.lookup(keys + [make_key(999)])
+    assert metas[-1] is None
+    for k, kv, m in zip(keys, kvs, metas[:-1], strict=True):
+        assert m is not None and m.key == k and m.num_tokens == kv.shape[2]
+        assert m.positions == tuple(range(kv.shape[2])) and m.tier == "host"
+    for layer in range(4):
+        got = client.fetch_layer(keys, layer).result(30)
+        for kv, t in zip(kvs, got, strict=True):
+            assert t is not None and t.shape == kv[layer].shape and t.dtype == kv.dtype
+            assert torch.equal(t, kv[layer])
+    # both shards got some keys (placement spreads a batch)
+    owners = {client._meta[k].shard for k in keys}
+    assert len(owners) == 2
+
+
+def test_positions_survive(client):
+    k = make_key(200)
+    kv = shard_kv(7, num_tokens=5)
+    client.put(k, kv, positions=[10, 11, 12, 30, 31])
+    assert client.flush(30)
+    (m,) = client.lookup([k])
+    assert m.positions == (10, 11, 12, 30, 31)
+
+
+def test_put_is_idempotent_and_delete(client):
+    k = make_key(300)
+    client.put(k, shard_kv(1))
+    client.put(k, shard_kv(2))  # ignored: first wins
+    assert client.flush(30)
+    assert client.contains([k]) == [True]
+    got = client.fetch_layer([k], 0).result(30)[0]
+    assert torch.equal(got, shard_kv(1)[0])
+    assert client.delete([k]) == 1
+    assert client.contains([k]) == [False]
+    assert client.lookup([k]) == [None]
+
+
+def test_fetch_without_lookup_and_past_last_layer(client):
+    k = make_key(400)
+    kv = shard_kv(4)
+    client.put(k, kv)
+    assert client.flush(30)
+    fresh = type(client)(client.config, NAMESPACE)
+    try:
+        assert torch.equal(fresh.fetch_layer([k], 3).result(30)[0], kv[3])
+        assert fresh.fetch_layer([k, make_key(401)], 9).result(30) == [None, None]
+    finally:
+        fresh.close()
+
+
+def test_mapped_objects_are_bounded_by_bytes(kvconfig, shards):
+    from cluster.cache.client import CacheClient
+
+    keys = [make_key(500 + i) for i in range(8)]
+    kvs = [shard_kv(500 + i) for i in range(8)]
+    writer = CacheClient(kvconfig, NAMESPACE)
+    for k, kv in zip(keys, kvs, strict=True):
+        writer.put(k, kv)
+    assert writer.flush(30)
+    one = len(writer.fetch_layer(keys[:1], 0).result(30)) and writer._objects[keys[0]][0].nbytes
+    reader = CacheClient(kvconfig, NAMESPACE, max_mapped_bytes=3 * one)
+    for layer in range(4):
+        got = reader.fetch_layer(keys, layer).result(30)
+        assert all(torch.equal(g, kv[layer]) for g, kv in zip(got, kvs, strict=True))
+        assert 1 <= len(reader._objects) <= 3
+    for c in (writer, reader):
+        c.close()
+
+
+def test_ray_client_is_a_cache_client_and_runs_its_thread_initializer(kvconfig, shards):
+    import threading
+
+    from cluster.cache.client import CacheClient
+    from cluster.cache.protocol import CacheClientProtocol
+
+    started: list[str] = []
+    c = CacheClient(kvconfig, NAMESPACE,
+                    thread_initializer=lambda: started.append(threading.current_thread().name))
+    try:
+        assert isinstance(c, CacheClientProtocol)
+        assert c.fetch_layer([make_key(600)], 0).result(30) == [None]  # never stored: a miss
+        assert started and all(name.startswith("kvblend-client") for name in started)
+    finally:
+        c.close()

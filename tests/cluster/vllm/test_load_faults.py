@@ -1,0 +1,144 @@
+"""Issue 6 test 6: faults injected deterministically during a load, through vLLM.
+
+The in-process engine (``blend_llm``, ratio 1.0) gets Ray cache clients in place of its
+process-local cache: one Ray node with one shard (host memory, write-through to a Redis tier
+shared by all shards). A cold request stores three passages through the shard; a *fresh*
+client (nothing mapped, as another replica's) serves the reordered request, and its first
+layer read kills the shard (and, in the second test, Redis too) before reading.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from blend.segments import build_blend_prompt
+from tests.cluster.vllm.helpers import (
+    FULL,
+    SYSTEM,
+    assert_matches_full,
+    events,
+    generate,
+    one_node_ray_cache,
+    passage,
+    wait_stored,
+)
+
+pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def ray_redis_cache(redis_server, tmp_path_factory):
+    """``(config, shard name)``: a one-node Ray cluster with one shard over Redis."""
+    from cluster.config import load_config
+
+    with one_node_ray_cache(tmp_path_factory.mktemp("raycache_faults"), disk_size_gib=0,
+                            redis_url=redis_server.url, call_timeout_s=3.0) as (overrides, names):
+        (name,) = names
+        yield load_config(environ={}, overrides=overrides), name
+
+
+def _use_client(llm, client, monkeypatch) -> None:
+    """Route the engine's scheduler lookups and worker reads and stores through ``client``;
+    no gpu tier (every layer is read from the client)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().connector_worker
+    worker._engine_for_worker()  # builds the worker's source
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
+    for obj in (worker, scheduler, worker._source, worker.stores):
+        monkeypatch.setattr(obj, "client", client)
+    monkeypatch.setattr(worker._source, "gpu", None)
+
+
+def _wait_restarted(config, name: str, old_pid: int, timeout_s: float = 90.0) -> None:
+    import ray
+
+    from cluster.cache.lifecycle import get_shard
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(get_shard(name, config.cluster.ray_namespace).ready.remote(), timeout=5)["pid"] != old_pid:
+                return
+        except Exception:  # noqa: BLE001 - still restarting
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"shard {name} did not restart")
+
+
+def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, seed: int, redis=None):
+    """Store 3 passages, then request them reordered; the first layer read kills the shard
+    (and Redis when given). Returns (output, load event, fallbacks counted, prompt ids)."""
+    import ray
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from cluster.cache.client import CacheClient
+    from cluster.cache.lifecycle import get_shard
+
+    worker = get_kv_transfer_group()
+    namespace = worker.namespace_digest
+    writer = CacheClient(config, namespace=namespace)
+    _use_client(llm, writer, monkeypatch)
+    texts = [passage(seed + i, num_sentences=8) for i in range(3)]
+    cold_ids, _ = build_blend_prompt(tokenizer, SYSTEM, texts, "Question: warm?")
+    cold = generate(llm, cold_ids)
+    assert wait_stored(stats_path, cold.request_id)["stored"] == 3
+    assert writer.flush(60)  # the shard's write-through to Redis included
+
+    reader = CacheClient(config, namespace=namespace)  # nothing mapped: reads go to the shard
+    _use_client(llm, reader, monkeypatch)
+    handle = get_shard(shard, config.cluster.ray_namespace)
+    old_pid = ray.get(handle.ready.remote())["pid"]
+    real_fetch = reader.fetch_layer
+    killed: list[int] = []
+
+    def kill_then_fetch(keys, layer_idx):
+        if not killed:
+            killed.append(layer_idx)
+            ray.kill(handle, no_restart=False)
+            if redis is not None:
+                redis.kill()
+        return real_fetch(keys, layer_idx)
+
+    monkeypatch.setattr(reader, "fetch_layer", kill_then_fetch)
+    ids, _ = build_blend_prompt(tokenizer, SYSTEM, [texts[2], texts[0], texts[1]],
+                                f"Question: which item is {seed * 10 + 1}? Answer:")
+    fallbacks = worker.counters["fallbacks"]
+    try:
+        out = generate(llm, ids, {"kvblend_store": False})
+    finally:
+        if redis is not None:
+            redis.restart()
+        monkeypatch.undo()
+        reader.close()
+        writer.close()
+    assert killed, "the load never read the cache"
+    (load,) = events(stats_path, out.request_id, "load")
+    _wait_restarted(config, shard, old_pid)
+    return out, load, worker.counters["fallbacks"] - fallbacks, ids
+
+
+def test_shard_killed_during_a_load_reads_redis(blend_llm, blend_stats_path, tokenizer, ray_redis_cache,
+                                                monkeypatch):
+    """The owner shard dies as the load starts: the client reads the chunks from the shared
+    Redis tier and the request is still blended (no fallback), equal to full prefill."""
+    config, shard = ray_redis_cache
+    out, load, fallbacks, ids = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config, shard,
+                                                   monkeypatch, 1500)
+    assert load["num_hit_segments"] == 3 and not load["fallback"] and fallbacks == 0, load
+    assert_matches_full(out, generate(blend_llm, ids, FULL))
+
+
+def test_shard_killed_and_redis_down_during_a_load_falls_back(blend_llm, blend_stats_path, tokenizer,
+                                                              ray_redis_cache, redis_server,
+                                                              monkeypatch):
+    """Shard and Redis both gone during the load: the request is answered by full prefill,
+    the fallback is counted, and the output equals full prefill's."""
+    config, shard = ray_redis_cache
+    out, load, fallbacks, ids = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config, shard,
+                                                   monkeypatch, 1600, redis=redis_server)
+    assert load["fallback"] and load["num_hit_segments"] == 0 and fallbacks == 1
+    assert "could not be read" in load["full_prefill_reason"]
+    assert_matches_full(out, generate(blend_llm, ids, FULL))

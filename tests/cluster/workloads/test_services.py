@@ -1,0 +1,50 @@
+"""The throwaway services the suite and the benchmarks start (cluster.workloads.services): a
+redis-server child that can be killed and restarted empty, extra server arguments, a clear
+error without the binary, and moto's S3 endpoint (usable, environment restored after)."""
+
+from __future__ import annotations
+
+import os
+
+import boto3
+import pytest
+import redis
+
+from cluster.workloads import services
+from cluster.workloads.services import start_redis, start_redis_process, start_s3
+
+
+def test_redis_process_is_killed_restarted_empty_and_stopped():
+    with start_redis_process() as server:
+        client = redis.Redis.from_url(server.url, socket_timeout=2)
+        assert client.set("k", b"v") and client.get("k") == b"v"
+        server.kill()
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(server.url, socket_timeout=2).ping()
+        server.restart()
+        client = redis.Redis.from_url(server.url, socket_timeout=2)
+        assert client.ping() and client.get("k") is None  # no persistence: empty again
+        workdir = server._dir
+    assert server.proc.poll() is not None and not os.path.exists(workdir)
+
+
+def test_start_redis_passes_extra_server_arguments():
+    with start_redis("--maxmemory", "1mb") as url:
+        assert redis.Redis.from_url(url).config_get("maxmemory") == {"maxmemory": str(2**20)}
+
+
+def test_missing_redis_server_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(services.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="redis-server is not installed"), start_redis():
+        pass
+
+
+def test_s3_endpoint_serves_its_bucket_and_restores_the_environment(monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    with start_s3() as (endpoint, bucket):
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        s3.put_object(Bucket=bucket, Key="chunk", Body=b"\x00kv\xff")
+        assert s3.get_object(Bucket=bucket, Key="chunk")["Body"].read() == b"\x00kv\xff"
+        assert os.environ["AWS_ACCESS_KEY_ID"] == "kvblend-test"
+    assert "AWS_ACCESS_KEY_ID" not in os.environ and "AWS_DEFAULT_REGION" not in os.environ
