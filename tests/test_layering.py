@@ -203,13 +203,44 @@ def test_benchmarks_import_no_cli_command():
     assert not bad, "\n".join(bad)
 
 
+def test_vllm_wing_imports_only_the_cache_wing():
+    """``cluster.vllm`` builds on ``cluster.cache``; the workloads, the CLI and the benchmarks
+    build on it (README: Architecture)."""
+    bad = _wing_imports("cluster.vllm", ("cluster.workloads", "cluster.cli", "cluster.bench"))
+    assert not bad, "\n".join(bad)
+
+
+def test_workloads_import_no_cli_or_benchmark():
+    bad = _wing_imports("cluster.workloads", ("cluster.cli", "cluster.bench"))
+    assert not bad, "\n".join(bad)
+
+
+def test_tiers_tests_import_nothing_from_cluster():
+    """``tiers`` is tested on its own: its tests take services from fixtures, not from ``cluster``."""
+    bad = []
+    for path in sorted((ROOT / "tests" / "tiers").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                    if n == "cluster" or n.startswith("cluster.")]
+    assert not bad, "\n".join(bad)
+
+
 def test_cluster_connector_exposes_the_connector_vllm_configs_name():
     """``kv_connector_module_path: cluster.connector`` + ``kv_connector: KVBlendConnector``
-    (README, Helm chart, users' configs) loads vLLM's connector class."""
+    (README, Helm chart, users' configs) loads the connector class itself, and the plugin
+    registers the short name under that module path."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from cluster.vllm import connector, plugin
 
     shim = importlib.import_module("cluster.connector")
     assert issubclass(shim.KVBlendConnector, KVConnectorBase_V1)
+    assert shim.KVBlendConnector is connector.KVBlendConnector
+    assert shim.KVBlendConnectorMetadata is connector.KVBlendConnectorMetadata
+    assert (plugin.CONNECTOR_NAME, plugin.CONNECTOR_MODULE) == ("KVBlendConnector", "cluster.connector")
 
 
 def _entry_points() -> list[tuple[str, str]]:

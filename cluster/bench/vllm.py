@@ -85,12 +85,13 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
     from vllm.config import KVTransferConfig
 
     from cluster.vllm.events import read_events
+    from cluster.vllm.plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 
     kwargs = dict(dtype=dtype, enforce_eager=True, max_model_len=8192, seed=0, disable_log_stats=False,
                   enable_prefix_caching=(mode == "vllm_prefix"))
     if mode == "kvblend":
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVBlendConnector", kv_connector_module_path="cluster.connector",
+            kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both", kv_load_failure_policy="recompute",
             # a fresh machine-local cache (under this run's temporary directory): the measured
             # prompts hit only what this run's warm-up stored

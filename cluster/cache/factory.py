@@ -2,14 +2,19 @@
 benchmarks).
 
 :func:`make_client` returns the Ray :class:`~cluster.cache.client.CacheClient` when Ray and at
-least one shard are reachable; otherwise it falls back, never failing the caller:
+least one shard are reachable; otherwise it falls back:
 
 ================================  ==============================================================
 Ray not reachable                 machine-local client (one warning per process)
 no shards in the Ray namespace    machine-local client (one warning per process)
-building the client raised        machine-local client, with a warning naming the error
-machine-local disk cache failed   in-memory :class:`~cluster.cache.local.LocalCacheClient`
-                                  (1 GiB, this process only), with a warning naming the error
+building the client raised        ``fallback_on_error=True`` (the vLLM connector: a request never
+                                  fails because the cache did): machine-local client, with a
+                                  warning naming the error; else the error reaches the caller
+                                  (``kvblend ingest``/``demo``: a malformed ``ray_address`` is a
+                                  ``ValueError`` the CLI prints)
+machine-local disk cache failed   ``fallback_on_error=True``: in-memory
+                                  :class:`~cluster.cache.local.LocalCacheClient` (1 GiB, this
+                                  process only), with a warning; else the error is raised
 ================================  ==============================================================
 
 The machine-local client (:func:`cluster.cache.local.local_client`, a shared disk cache) is
@@ -40,7 +45,8 @@ _local_lock = threading.Lock()
 
 
 def make_client(config, namespace: str | None = None, *, device: str = "cpu",
-                thread_initializer: Callable[[], None] | None = None) -> CacheClientProtocol:
+                thread_initializer: Callable[[], None] | None = None,
+                fallback_on_error: bool = False) -> CacheClientProtocol:
     """The cache client of this process (see the module docstring for the fallbacks).
 
     Args:
@@ -50,11 +56,17 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
         device: device of the tensors ``fetch_layer`` returns.
         thread_initializer: run at the start of each of the Ray client's threads
             (:func:`cluster.vllm.affinity.unpin_thread` inside a vLLM CPU worker).
+        fallback_on_error: degrade to a machine-local (or in-memory) client when building the
+            client raises, instead of raising (see the module docstring).
 
     Returns:
         A :class:`~cluster.cache.client.CacheClient` or a shared
         :class:`~cluster.cache.local.LocalCacheClient`; both keep
-        :class:`cluster.cache.protocol.CacheClientProtocol`. A broken or unreachable cache raises nothing.
+        :class:`cluster.cache.protocol.CacheClientProtocol`.
+
+    Raises:
+        ValueError: a malformed ``ray_address`` (only without ``fallback_on_error``); likewise
+            whatever building the Ray or the machine-local client raised.
     """
     try:
         ray = connect(config.cluster)
@@ -69,20 +81,27 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
             from cluster.cache.client import CacheClient
 
             return CacheClient(config, namespace, device=device, thread_initializer=thread_initializer)
+        return shared_local_client(config, namespace, device=device, memory_fallback=fallback_on_error)
     except Exception as e:  # noqa: BLE001 - no shared cache is a degraded mode, not an error
+        if not fallback_on_error:
+            raise
         log.warning("kvblend: cache client unavailable (%s: %s); using a local cache", type(e).__name__, e)
-    return shared_local_client(config, namespace, device=device)
+    return shared_local_client(config, namespace, device=device, memory_fallback=True)
 
 
-def shared_local_client(config, namespace: str | None = None, *, device: str = "cpu") -> LocalCacheClient:
+def shared_local_client(config, namespace: str | None = None, *, device: str = "cpu",
+                        memory_fallback: bool = True) -> LocalCacheClient:
     """This process's machine-local client for ``namespace`` and ``device`` (made on the first
-    call: the shared disk cache, or an in-memory one when that cannot be opened)."""
+    call: the shared disk cache; with ``memory_fallback`` an in-memory one when that cannot be
+    opened, else the error is raised)."""
     with _local_lock:
         client = _local_clients.get((namespace, str(device)))
         if client is None:
             try:
                 client = local_client(config, device=device)
             except Exception as e:  # noqa: BLE001 - a cache in memory still serves this process
+                if not memory_fallback:
+                    raise
                 log.warning("kvblend: cache client unavailable (%s: %s); using a local cache",
                             type(e).__name__, e)
                 client = LocalCacheClient(device=device)

@@ -48,8 +48,12 @@ def render(readme: str) -> str:
     return f"{head}{BEGIN}\n{config_table()}\n{END}{tail}"
 
 
+#: the README this module rewrites (cluster/cli/docs.py -> the repository root)
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+
 def main() -> int:
-    path = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    path = README
     path.write_text(render(path.read_text()))
     return 0
 

@@ -6,6 +6,7 @@ through `metadata`, configured by `options` and reporting through `events` and `
 `worker_source` is the worker's KV source (gpu tier in front of the cache client), `paged` reads
 and writes vLLM's paged KV layouts, `model_hook` and `plugin` let the worker reach the model
 vLLM built, `affinity` keeps our threads off vLLM's pinned core, and `offline` drives an
-in-process ``vllm.LLM``. Importing this package imports no vLLM code; its modules do, except
-`events`, `options`, `plugin` and `affinity`.
+in-process ``vllm.LLM``. Importing this package imports no vLLM code; `connector`, `metadata`,
+`metrics` and `model_hook` do at import time (through them `scheduler` and `worker` too; `offline`
+and `plugin` only inside their functions).
 """

@@ -219,7 +219,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         from cluster.namespace import namespace_for
 
         with all_cpus():  # Ray's threads must not inherit vLLM's one pinned core (cluster.vllm.affinity)
-            client = (make_client(self.config, self.namespace_digest, thread_initializer=unpin_thread)
+            client = (make_client(self.config, self.namespace_digest, thread_initializer=unpin_thread,
+                                   fallback_on_error=True)
                       if self.enabled else None)
         if self.tp_size > 1 and client is not None and role == KVConnectorRole.SCHEDULER:
             client = AllRanksLookup(client, [
@@ -246,8 +247,8 @@ class KVBlendConnector(KVConnectorBase_V1):
 
         When: in ``Scheduler.schedule()`` for a waiting request not yet computed, before its
         blocks are allocated; again for the same request when it was skipped or preempted (the
-        answer for one prompt is reused, so repeated calls are side-effect free apart from
-        the ``claim`` event). Where: scheduler process, the engine core's busy-loop thread.
+        lookup for one prompt is reused, not repeated; each call resets the request's claim to
+        this answer, marks it not yet loaded, and writes a ``claim`` event). Where: scheduler process, the engine core's busy-loop thread.
         Never: raise (a failed lookup answers ``(0, False)`` and counts a fallback), claim the
         last prompt token, or block beyond one batched lookup of the request's chunks (and,
         on the first call, loading the tokenizer).

@@ -16,6 +16,8 @@ Both are idempotent; importing this module imports no vLLM code.
 from __future__ import annotations
 
 CONNECTOR_NAME = "KVBlendConnector"
+#: the module path vLLM configs name (a re-export of :mod:`cluster.vllm.connector`)
+CONNECTOR_MODULE = "cluster.connector"
 _registered = False
 
 
@@ -28,7 +30,7 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "cluster.connector", "KVBlendConnector")
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     from cluster.vllm.model_hook import TRACKED_ARCHITECTURES
 
     for arch, cls_name in TRACKED_ARCHITECTURES.items():

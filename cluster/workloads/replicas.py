@@ -16,12 +16,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from cluster.vllm.plugin import CONNECTOR_NAME
+from cluster.vllm.plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 from cluster.workloads.services import free_port
 
 log = logging.getLogger("kvblend.serving")
-
-CONNECTOR_MODULE = "cluster.connector"
 
 
 def default_dtype() -> str:

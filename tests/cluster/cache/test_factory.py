@@ -46,10 +46,28 @@ def test_a_client_that_cannot_be_built_falls_back_with_a_warning(config, monkeyp
 
     monkeypatch.setattr(factory, "connect", broken)
     ns = _namespace()
-    client = factory.make_client(config, ns)
-    assert isinstance(client, LocalCacheClient) and factory.make_client(config, ns) is client
+    client = factory.make_client(config, ns, fallback_on_error=True)
+    assert isinstance(client, LocalCacheClient)
+    assert factory.make_client(config, ns, fallback_on_error=True) is client
     assert ("kvblend: cache client unavailable (RuntimeError: GCS handshake failed); using a local cache"
             in caplog.text)
+
+
+def test_without_fallback_on_error_the_caller_sees_the_error(config, monkeypatch):
+    """ingest and the demo (no fallback): a malformed address is the caller's ValueError, a
+    broken disk cache an error, never a silent in-memory cache that is lost at exit."""
+    bad = load_config(environ={}, overrides={"disk_path": config.tiers.disk_path,
+                                              "ray_address": "no-port-here"})
+    with pytest.raises(ValueError, match="ray_address"):
+        factory.make_client(bad, _namespace())
+
+    def no_disk(config, device="cpu"):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(factory, "connect", lambda cluster_config: None)
+    monkeypatch.setattr(factory, "local_client", no_disk)
+    with pytest.raises(PermissionError):
+        factory.make_client(config, _namespace())
 
 
 def test_a_disk_cache_that_cannot_be_opened_falls_back_to_memory(config, monkeypatch, caplog):
@@ -59,9 +77,9 @@ def test_a_disk_cache_that_cannot_be_opened_falls_back_to_memory(config, monkeyp
     monkeypatch.setattr(factory, "connect", lambda cluster_config: None)
     monkeypatch.setattr(factory, "local_client", no_disk)
     ns = _namespace()
-    client = factory.make_client(config, ns)
+    client = factory.make_client(config, ns, fallback_on_error=True)
     assert isinstance(client.tier, MemoryTier)
-    assert factory.make_client(config, ns) is client    # the scheduler and worker share it
+    assert factory.make_client(config, ns, fallback_on_error=True) is client    # the scheduler and worker share it
     assert "cache client unavailable (PermissionError: read-only file system)" in caplog.text
 
 

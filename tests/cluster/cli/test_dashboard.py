@@ -3,8 +3,9 @@ dashboard's HTTP API lists the shard actors (and refuses a request without the t
 the dashboard's actors page, rendered by headless Chromium (``apt-get install -y chromium``;
 skipped without it), shows their names.
 
-This is the one test that starts its own Ray (in the server process, killed at the end by
-its pid); it runs while the session cluster is up, so both stay small.
+This test starts its own Ray (in the server process, killed at the end by its pid) with a
+small object store; it carries no run-order marker, so it runs before the ``shared_ray`` tests
+start the session cluster.
 """
 
 from __future__ import annotations
