@@ -26,11 +26,14 @@ class EventLog:
     """One JSON line per event appended to ``path`` (atomic ``O_APPEND`` writes, so the
     scheduler's and the workers' connectors may share one file). ``path=None``: writes nothing.
 
-    Thread-safe: the worker's I/O thread writes ``store`` events.
+    Thread-safe: the worker's I/O thread writes ``store`` events. Never raises into vLLM's
+    hooks: a file that cannot be written (``OSError``) drops the event, counts it in
+    :attr:`write_errors` and logs one warning per instance.
     """
 
     def __init__(self, path: str | None) -> None:
         self.path = path
+        self.write_errors = 0
         self._lock = threading.Lock()
 
     def write(self, event: str, **fields: Any) -> None:
@@ -39,11 +42,17 @@ class EventLog:
         line = json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields},
                           default=str) + "\n"
         with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line.encode())
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                self.write_errors += 1
+                if self.write_errors == 1:
+                    log.warning("kvblend: cannot write events to %s (%s); events are dropped",
+                                self.path, e)
 
 
 class WarnOnce:
