@@ -21,11 +21,15 @@ relative; we allow ``rtol=1e-4, atol=1e-4`` for KV and logits of tiny models (va
 from __future__ import annotations
 
 import functools
+import json
+import struct
 from typing import TYPE_CHECKING
 
 import torch
+import xxhash
 
 from tiers.codec import encode_kv
+from tiers.format import PREFIX_BYTES
 from tiers.keys import ChunkKey, Namespace, segment_key
 
 if TYPE_CHECKING:
@@ -215,3 +219,24 @@ def fill_tiers(engine, chunks, tiers_with_objects=(), gpu_tiers=()) -> dict[Chun
         for tier in gpu_tiers:
             assert tier.put(key, kv)
     return out
+
+
+_CHUNK_PREFIX = struct.Struct("<4sHHII")  # tiers.format's prefix: magic, version, flags, header_len, xxh32
+
+
+def forge_header(obj: bytes, **changes) -> bytes:
+    """``obj`` (a chunk object) with header fields replaced and the rest kept consistent: the
+    prefix's length and checksum recomputed, layer offsets (the given ``layers`` or the
+    object's) shifted by the header's change in length. For tests of forged headers."""
+    magic, version, flags, header_len, _ = _CHUNK_PREFIX.unpack_from(obj, 0)
+    end = PREFIX_BYTES + header_len
+    header = {**json.loads(obj[PREFIX_BYTES:end]), **changes}
+    layers, delta = header["layers"], 0
+    while True:  # offsets move with the header's length, and their digits may change it again
+        header["layers"] = [[e[0] + delta, *e[1:]] for e in layers]
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        if len(blob) - header_len == delta:
+            break
+        delta = len(blob) - header_len
+    prefix = _CHUNK_PREFIX.pack(magic, version, flags, len(blob), xxhash.xxh32_intdigest(blob))
+    return prefix + blob + obj[end:]

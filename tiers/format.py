@@ -49,6 +49,15 @@ MIN_LZ4_RATIO = 1.1
 CODEC_RAW = 0
 CODEC_LZ4 = 1
 
+#: Hard limits on what a header may claim, checked by :func:`parse_header` before anything is
+#: allocated for it (a 7B model's layer of 256 tokens is 1 MiB; 1 GiB is a 32k-token segment of
+#: a model with 16 KV heads of 256 dims in fp32). A header over them is corrupt.
+MAX_LAYER_BYTES = 1 << 30
+MAX_TOKENS = 1 << 22
+MAX_LAYERS = 1024
+#: lz4's block format expands at most ~255x; a raw length claimed beyond it is corrupt.
+MAX_LZ4_EXPANSION = 256
+
 #: bytes per element of the dtypes we store
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -195,9 +204,14 @@ def parse_prefix(buf: bytes | memoryview) -> int:
 def parse_header(buf: bytes | memoryview, expected_key: ChunkKey | None = None) -> ChunkHeader:
     """Parse and validate the prefix and header at the start of ``buf``.
 
+    Every parse path (tiers.reader, both cache clients, the shard's ``validate_object``)
+    comes through here, so no caller allocates for a header that :func:`_check_sizes` has not
+    checked against the hard limits (:data:`MAX_TOKENS`, :data:`MAX_LAYER_BYTES`,
+    :data:`MAX_LAYERS`, :data:`MAX_LZ4_EXPANSION`).
+
     Raises:
-        FormatError: truncated, corrupted, another version, or (with ``expected_key``) a
-            header naming another key or namespace.
+        FormatError: truncated, corrupted, another version, sizes inconsistent or over the
+            limits, or (with ``expected_key``) a header naming another key or namespace.
     """
     header_len = parse_prefix(buf)
     end = PREFIX_BYTES + header_len
@@ -219,18 +233,41 @@ def parse_header(buf: bytes | memoryview, expected_key: ChunkKey | None = None) 
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
         # OverflowError: a number like 1e400 (int(inf)); RecursionError: deeply nested JSON
         raise FormatError(f"malformed header: {type(e).__name__}: {str(e)[:200]}") from None
-    if header.dtype not in DTYPE_BYTES or header.num_layers != len(layers) or header.num_tokens <= 0:
-        raise FormatError("inconsistent header")
-    if sum(b for _, b in header.positions) != header.num_tokens:
-        raise FormatError("positions do not cover num_tokens")
-    for e in layers:
-        if e.raw_len != header.layer_nbytes or e.codec not in (CODEC_RAW, CODEC_LZ4) or e.offset < end:
-            raise FormatError("inconsistent layer entry")
-        if e.codec == CODEC_RAW and e.stored_len != e.raw_len:
-            raise FormatError("inconsistent raw layer length")
+    _check_sizes(header)
     if expected_key is not None and header.key != str(expected_key):
         raise FormatError(f"object holds {header.key}, expected {expected_key}")
     return header
+
+
+def _check_sizes(header: ChunkHeader) -> None:
+    """Every size a header states, against itself and the hard limits above, before any
+    caller allocates for it (layer buffers, decompression scratch, the position list).
+
+    Raises:
+        FormatError: naming the first claim that is inconsistent or over a limit.
+    """
+    if header.dtype not in DTYPE_BYTES or header.num_layers != len(header.layers):
+        raise FormatError("inconsistent header")
+    if not (0 < header.num_layers <= MAX_LAYERS and 0 < header.num_tokens <= MAX_TOKENS
+            and header.num_kv_heads > 0 and header.head_dim > 0):
+        raise FormatError(f"header claims {header.num_layers} layers, {header.num_tokens} tokens, "
+                          f"{header.num_kv_heads} heads of {header.head_dim}: outside the limits")
+    if header.layer_nbytes > MAX_LAYER_BYTES:
+        raise FormatError(f"header claims {header.layer_nbytes} bytes per layer, over {MAX_LAYER_BYTES}")
+    # runs of positive length and non-negative start, so expanding them (position_list) makes
+    # exactly num_tokens entries: a run of 10M tokens cancelled by a negative one is refused
+    if len(header.positions) > header.num_tokens or any(
+            start < 0 or length <= 0 for start, length in header.positions):
+        raise FormatError("malformed position runs")
+    if sum(length for _, length in header.positions) != header.num_tokens:
+        raise FormatError("positions do not cover num_tokens")
+    for i, e in enumerate(header.layers):
+        if e.raw_len != header.layer_nbytes or e.codec not in (CODEC_RAW, CODEC_LZ4) or e.offset < header.header_end:
+            raise FormatError("inconsistent layer entry")
+        if e.codec == CODEC_RAW and e.stored_len != e.raw_len:
+            raise FormatError("inconsistent raw layer length")
+        if not 0 < e.stored_len <= MAX_LAYER_BYTES or e.raw_len > MAX_LZ4_EXPANSION * e.stored_len + 64:
+            raise FormatError(f"layer {i}: implausible lengths {e.stored_len}/{e.raw_len}")
 
 
 def decode_layer(header: ChunkHeader, layer_idx: int, payload: bytes | memoryview,

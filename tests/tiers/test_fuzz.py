@@ -104,7 +104,8 @@ def test_implausible_header_claims_are_misses():
             "num_kv_heads": 1, "head_dim": 1, "positions": [[0, 2**40]],
             "layers": [[10**6, 10, 2**43, 1, 0]]}        # an lz4 "bomb" claiming 8 TiB
     obj = _with_valid_crc(json.dumps(huge).encode(), b"\0" * 64)
-    assert parse_header(obj).layer_nbytes == 2**43      # well-formed: only the bounds catch it
+    with pytest.raises(FormatError, match="outside the limits"):  # well-formed JSON, refused
+        parse_header(obj)                                           # by parse_header's bounds
     host.put(key, obj)
     counters = ReadCounters()
     assert read_header(host, key, counters) is None

@@ -43,3 +43,22 @@ def test_round_trip_bit_exact(dtype, compress):
         h = parse_header(encode_kv(key, kv, compress=True))
         assert h.layers[1].codec == 1  # zeros compress
         assert h.layers[0].codec == 0  # random bf16/fp32 does not shrink 1.1x: stored raw
+
+
+def test_a_forged_header_is_a_miss_before_anything_is_allocated():
+    """The client parses headers itself (not through tiers.reader): a header whose position runs
+    expand to 10M entries, or whose layer claims 4 GiB, is a miss and a read error."""
+    from tests.factories import forge_header
+
+    key = segment_key(NS, [4, 5])
+    client = LocalCacheClient()
+    client.put(key, torch.randn(2, 2, 4, 2, 4, dtype=torch.bfloat16))
+    good = client.tier._data[key]
+    for forged in (forge_header(good, positions=[[0, 10_000_000], [0, -9_999_996]]),
+                   forge_header(good, num_kv_heads=1 << 28)):
+        client.tier._data[key] = forged
+        before = client.counters["read_errors"]
+        assert client.lookup([key]) == [None]
+        assert client.counters["read_errors"] == before + 1
+    client.tier._data[key] = good
+    assert client.lookup([key])[0].num_tokens == 4

@@ -1,0 +1,90 @@
+"""One validator for every size a chunk header states (tiers.format.parse_header), so every
+parse path (tiers.reader, the Ray client, the machine-local client, the shard's
+validate_object) refuses a header before anything is allocated for it, and a read that runs
+out of memory is a miss, not an exception (issue #20: "bad headers allocate what they claim").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.factories import forge_header as forge
+from tests.factories import layer_buffers, make_key, make_kv, make_object
+from tiers.format import MAX_TOKENS, FormatError, parse_header
+from tiers.reader import ReadCounters, read_header, read_layers
+from tiers.tier import MemoryTier
+
+
+@pytest.fixture
+def chunk():
+    key, kv = make_key(7), make_kv(7, num_tokens=4)
+    return key, make_object(key, kv), kv
+
+
+def test_forge_keeps_a_valid_object_valid(chunk):
+    key, obj, kv = chunk
+    header = parse_header(forge(obj, positions=[[0, 4]]), expected_key=key)
+    assert header.num_tokens == 4 and header.position_list() == [0, 1, 2, 3]
+    tier = MemoryTier(2**20)
+    tier.put(key, forge(obj, positions=[[10, 2], [20, 2]]))
+    outs = layer_buffers(kv)
+    assert read_layers(tier, key, range(kv.shape[0]), outs) is not None  # the bytes still check out
+
+
+@pytest.mark.parametrize("runs", [
+    [[0, 10_000_000], [0, -9_999_996]],     # sums to 4, expands to 10M positions
+    [[0, 5], [9, -1]],                      # a negative run
+    [[0, 2], [5, 0], [6, 2]],               # an empty run
+    [[-3, 4]],                              # a negative start
+])
+def test_position_runs_that_expand_past_num_tokens_are_refused(chunk, runs):
+    key, obj, _ = chunk
+    with pytest.raises(FormatError, match="position runs"):
+        parse_header(forge(obj, positions=runs), expected_key=key)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"num_kv_heads": 1 << 28}, "bytes per layer"),           # 4 tokens claiming a 4 GiB layer
+    ({"num_tokens": MAX_TOKENS + 1, "positions": [[0, MAX_TOKENS + 1]]}, "outside the limits"),
+    ({"head_dim": 0}, "outside the limits"),
+    ({"num_layers": 0, "layers": []}, "outside the limits"),
+])
+def test_sizes_over_the_limits_are_refused_on_parse(chunk, changes, match):
+    key, obj, _ = chunk
+    with pytest.raises(FormatError, match=match):
+        parse_header(forge(obj, **changes), expected_key=key)
+
+
+def test_an_lz4_layer_claiming_huge_scratch_is_refused():
+    """A 64 KiB layer said to be lz4 in 1 stored byte: lz4 cannot expand that far."""
+    key = make_key(8)
+    obj = make_object(key, make_kv(8, num_layers=2, num_tokens=64, num_kv_heads=4, head_dim=64))
+    header = parse_header(obj, expected_key=key)
+    assert header.layer_nbytes == 64 * 1024
+    layers = [[e.offset, 1, e.raw_len, 1, e.checksum] for e in header.layers]
+    with pytest.raises(FormatError, match="implausible lengths"):
+        parse_header(forge(obj, layers=layers), expected_key=key)
+
+
+def test_read_header_counts_a_forged_header_as_corrupt(chunk):
+    key, obj, _ = chunk
+    tier = MemoryTier(2**20)
+    tier.put(key, forge(obj, positions=[[0, 10_000_000], [0, -9_999_996]]))
+    counters = ReadCounters()
+    assert read_header(tier, key, counters=counters) is None
+    assert counters.values["corrupt"] == 1
+
+
+class _OutOfMemoryTier(MemoryTier):
+    def get_ranges(self, key, ranges):
+        raise MemoryError
+
+
+def test_out_of_memory_during_a_read_is_a_miss(chunk):
+    key, obj, kv = chunk
+    tier = _OutOfMemoryTier(2**20)
+    tier.put(key, obj)
+    header = parse_header(obj, expected_key=key)
+    counters = ReadCounters()
+    assert read_layers(tier, key, [0], layer_buffers(kv)[:1], header=header, counters=counters) is None
+    assert counters.values["misses"] == 1
