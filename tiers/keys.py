@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -30,6 +31,8 @@ FORMAT_VERSION = 1
 SEGMENT = "seg"
 PREFIX = "pre"
 _KINDS = (SEGMENT, PREFIX)
+#: what a key's namespace and content may hold (they become file names and object keys)
+_KEY_PART = re.compile(r"[0-9A-Za-z_-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,12 @@ class Namespace:
 
 @dataclass(frozen=True, order=True)
 class ChunkKey:
-    """Key of one chunk object: ``namespace``/``kind``/``content`` (all hex, no slashes)."""
+    """Key of one chunk object: ``namespace``/``kind``/``content``.
+
+    ``namespace`` and ``content`` are 1-128 characters of ``[0-9A-Za-z_-]`` (ours are hex
+    digests): no ``/``, ``.``, NUL or whitespace, so no key can name a path outside the disk
+    tier's directory (``..``) or a file the OS refuses. Raises ``ValueError`` otherwise.
+    """
 
     namespace: str
     kind: str
@@ -87,8 +95,9 @@ class ChunkKey:
         if self.kind not in _KINDS:
             raise ValueError(f"ChunkKey kind={self.kind!r}: expected one of {_KINDS}")
         for part in (self.namespace, self.content):
-            if not part or "/" in part:
-                raise ValueError(f"ChunkKey part {part!r} must be non-empty with no '/'")
+            if not isinstance(part, str) or not _KEY_PART.fullmatch(part):
+                raise ValueError(f"ChunkKey part {part!r}: expected 1-128 characters of "
+                                 "[0-9A-Za-z_-] (no '/', '.', NUL or whitespace)")
 
     def __str__(self) -> str:
         return f"{self.namespace}/{self.kind}/{self.content}"

@@ -63,3 +63,26 @@ def test_corruption_truncation_foreign_key_are_format_errors():
         parse_header(bytes(newer))
 
 
+
+
+@pytest.mark.parametrize("namespace,content", [
+    ("..", "ab"),                 # the disk tier's file is <dir>/<content[:2]>/<ns>.<kind>.<content>
+    ("ns", ".."),                 # content[:2] == ".." escapes the disk directory
+    ("ns", "../../etc/x"),
+    ("ns", "ab\0cd"),             # NUL: the OS refuses the file name after the index took the key
+    ("ns", "ab cd"),
+    ("n.s", "abcd"),              # dots split the disk file name into the wrong parts
+    ("ns", "a" * 129),
+    ("", "abcd"),
+])
+def test_keys_cannot_name_paths_outside_the_disk_directory(namespace, content):
+    with pytest.raises(ValueError, match="ChunkKey part"):
+        ChunkKey(namespace, "seg", content)
+    with pytest.raises(ValueError):
+        ChunkKey.parse(f"{namespace}/seg/{content}")
+
+
+def test_keys_of_our_own_hashes_and_test_names_are_accepted():
+    assert str(segment_key(NS, [1, 2, 3])).startswith(NS + "/seg/")
+    assert ChunkKey.parse("ns0123456789abcd/pre/" + "f" * 32).kind == "pre"
+    assert ChunkKey("rank_1-of-2", "seg", "0" * 128).namespace == "rank_1-of-2"
