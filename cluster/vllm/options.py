@@ -14,7 +14,7 @@ reads them) plus the connector-only keys of :data:`CONNECTOR_ONLY_KEYS`, which
 
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` with the keys of
 :data:`REQUEST_PARAMS` (:func:`request_params` reads them; unknown ``kvblend*`` keys are
-ignored with one warning each).
+ignored, the first one with a warning).
 """
 
 from __future__ import annotations
@@ -67,14 +67,16 @@ class ConnectorOptions:
 def request_params(request, warn: Callable[..., None]) -> dict[str, Any]:
     """The :data:`REQUEST_PARAMS` of ``request.kv_transfer_params`` (vLLM copies them from
     ``SamplingParams.extra_args["kv_transfer_params"]``); other ``kvblend*`` keys are
-    reported through ``warn(what, msg, *args)`` and ignored, other keys ignored silently
-    (they may be another connector's)."""
+    ignored, the first one reported through ``warn(what, msg, *args)``; other keys are
+    ignored silently (they may be another connector's)."""
     params = dict(getattr(request, "kv_transfer_params", None) or {})
     out = {}
     for k, v in params.items():
         if k in REQUEST_PARAMS:
             out[k] = v
         elif k.startswith("kvblend"):
-            warn(f"param:{k}", "kvblend: unknown kv_transfer_params key %r ignored "
-                 "(known: %s)", k, ", ".join(REQUEST_PARAMS))
+            # one kind for every unknown key: request keys are user input, and a kind per key
+            # would grow the warned set with every new name a client sends
+            warn("param:unknown", "kvblend: unknown kv_transfer_params key %r ignored (known: %s; "
+                 "later unknown keys are ignored silently)", k, ", ".join(REQUEST_PARAMS))
     return out
