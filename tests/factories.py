@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import functools
 import json
-import struct
 from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from tiers.codec import encode_kv
-from tiers.format import PREFIX_BYTES
+from tiers.format import _PREFIX, PREFIX_BYTES
 from tiers.keys import ChunkKey, Namespace, segment_key
 
 if TYPE_CHECKING:
@@ -221,14 +220,11 @@ def fill_tiers(engine, chunks, tiers_with_objects=(), gpu_tiers=()) -> dict[Chun
     return out
 
 
-_CHUNK_PREFIX = struct.Struct("<4sHHII")  # tiers.format's prefix: magic, version, flags, header_len, xxh32
-
-
 def forge_header(obj: bytes, **changes) -> bytes:
     """``obj`` (a chunk object) with header fields replaced and the rest kept consistent: the
     prefix's length and checksum recomputed, layer offsets (the given ``layers`` or the
     object's) shifted by the header's change in length. For tests of forged headers."""
-    magic, version, flags, header_len, _ = _CHUNK_PREFIX.unpack_from(obj, 0)
+    magic, version, flags, header_len, _ = _PREFIX.unpack_from(obj, 0)
     end = PREFIX_BYTES + header_len
     header = {**json.loads(obj[PREFIX_BYTES:end]), **changes}
     layers, delta = header["layers"], 0
@@ -238,5 +234,5 @@ def forge_header(obj: bytes, **changes) -> bytes:
         if len(blob) - header_len == delta:
             break
         delta = len(blob) - header_len
-    prefix = _CHUNK_PREFIX.pack(magic, version, flags, len(blob), xxhash.xxh32_intdigest(blob))
+    prefix = _PREFIX.pack(magic, version, flags, len(blob), xxhash.xxh32_intdigest(blob))
     return prefix + blob + obj[end:]
