@@ -10,7 +10,8 @@ directory, is ``fsync``-ed, then hard-linked to its final name (``os.link`` fail
 name exists, so the first complete object wins even across processes) and the directory is
 fsync-ed. A reader opens a final name only, which always holds a complete object; an
 evicted file stays readable through descriptors already open. Reads use ``os.pread`` /
-``os.preadv`` (straight into the caller's buffer with :meth:`DiskTier.get_ranges_into`).
+``os.preadv`` (straight into the caller's buffer with :meth:`DiskTier.get_ranges_into`;
+:meth:`DiskTier.get_ranges_into_each` hands each range to the reader's check as it lands).
 
 Failure behaviour: local file I/O is synchronous and has no timeout. Any ``OSError`` (a
 vanished file, EIO, ENOSPC, permissions) is a miss / a failed put (``False``), logged at
@@ -25,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tiers.eviction import EvictionIndex
 from tiers.keys import ChunkKey
@@ -273,6 +274,22 @@ class DiskTier:
         Raises:
             ValueError: bad ranges or a buffer of the wrong size.
         """
+        return self._read_into(key, ranges, outs, None)
+
+    def get_ranges_into_each(self, key: ChunkKey, ranges: Sequence[tuple[int, int]],
+                             outs: Sequence[Buffer], each: Callable[[int], None]) -> bool:
+        """:meth:`get_ranges_into` one range at a time, in order, calling ``each(i)`` as soon
+        as range ``i`` is in ``outs[i]`` (before the next read, while its bytes are still in
+        the CPU's cache: the reader checks a layer there, and may reuse one buffer for
+        several ranges). An exception from ``each`` stops the read and propagates.
+
+        Raises:
+            ValueError: bad ranges or a buffer of the wrong size.
+        """
+        return self._read_into(key, ranges, outs, each)
+
+    def _read_into(self, key: ChunkKey, ranges: Sequence[tuple[int, int]],
+                   outs: Sequence[Buffer], each: Callable[[int], None] | None) -> bool:
         views = [memoryview(o).cast("B") for o in outs]
         if len(views) != len(ranges):
             raise ValueError(f"{len(ranges)} ranges but {len(views)} buffers")
@@ -287,7 +304,7 @@ class DiskTier:
             i = 0
             while i < len(ranges):
                 j, end = i + 1, ranges[i][0] + ranges[i][1]
-                while j < len(ranges) and ranges[j][0] == end:
+                while each is None and j < len(ranges) and ranges[j][0] == end:
                     end += ranges[j][1]
                     j += 1
                 want = end - ranges[i][0]
@@ -295,6 +312,8 @@ class DiskTier:
                 if got != want:
                     raise OSError(f"short read {got}/{want} (range past the end?)")
                 total += got
+                if each is not None:
+                    each(i)
                 i = j
         except OSError as e:
             log.debug("disk tier read %s failed: %s", key, e)
