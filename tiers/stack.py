@@ -13,17 +13,19 @@ Lifecycle, for the shard that owns a stack::
 Reads take the first tier (top first) that holds a valid object and promote it into every
 tier above (asynchronously; the promoted copy is stored uncompressed in the top tier and
 as given below it). Writes land in the top tier synchronously and go down asynchronously
-to the tiers named in ``write_down``, lz4-compressed (per layer, where it pays: see
-:mod:`tiers.format`) when ``compression="lz4"``. A chunk is pinned in the tier it is read
-from for the duration of the read (tiers with ``pin``/``unpin``), so eviction never pulls
-it from under an in-flight read. Puts are idempotent (each tier is first-wins). Reading
-never changes stored bytes; an object found corrupt in a tier is deleted from that tier
-(and counted), so a later put can store a good one.
+to the tiers named in ``write_down`` that lack the key, lz4-compressed (per layer, where it
+pays: see :func:`tiers.lower.recode`) when ``compression="lz4"``; ``raw_top=False`` encodes the
+top tier like those (a top below memory: the cache shard's disk). A chunk is pinned in the
+tier it is read from for the duration of the read (tiers with ``pin``/``unpin``), so
+eviction never pulls it from under an in-flight read. Puts are idempotent (each tier is
+first-wins). Reading never changes stored bytes; an object found corrupt in a tier is
+deleted from that tier (and counted), so a later put can store a good one.
 
 Failure behaviour: inherits each tier's (a fault is a miss of that tier; the read falls
-through to the next). Nothing raises to the caller for cache faults: reads return None
-(or a future resolving to None), puts return False/complete quietly; counters in
-``stats()['stack']``. Caller mistakes raise ``ValueError``.
+through to the next; a ``put``/``delete`` that raises is a failed write / logged). Nothing
+raises to the caller for cache faults: reads return None (or a future resolving to None),
+puts return False/complete quietly; counters in ``stats()['stack']`` and, per tier, through
+``on_event``. Caller mistakes raise ``ValueError``.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from tiers.format import CODEC_LZ4, ChunkHeader, FormatError, decode_layer, encode_chunk
+from tiers.format import ChunkHeader, FormatError
 from tiers.keys import ChunkKey
+from tiers.lower import recode, shared_tiers
 from tiers.reader import ReadCounters, read_header, read_layers, validate_object
 from tiers.tier import Buffer, Tier
 
@@ -43,29 +46,8 @@ log = logging.getLogger(__name__)
 
 _HEADER_CACHE = 4096
 
-
-def recode(obj: Buffer, key: ChunkKey, compress: bool,
-           header: ChunkHeader | None = None) -> bytes | Buffer:
-    """Return ``obj`` re-encoded with lz4 per layer (``compress=True``) or with every layer
-    raw (``False``); ``obj`` itself when it already is in that form.
-
-    Args:
-        header: ``validate_object(obj, key)``'s result when the caller already checked it.
-
-    Raises:
-        FormatError: ``obj`` is not a valid object of ``key``.
-    """
-    if header is None:
-        header = validate_object(obj, key)
-    has_lz4 = any(e.codec == CODEC_LZ4 for e in header.layers)
-    if has_lz4 == compress:
-        return obj
-    view = memoryview(obj).cast("B")
-    layers = [decode_layer(header, i, view[e.offset:e.offset + e.stored_len])
-              for i, e in enumerate(header.layers)]
-    return encode_chunk(key, layers, dtype=header.dtype, num_tokens=header.num_tokens,
-                        num_kv_heads=header.num_kv_heads, head_dim=header.head_dim,
-                        positions=header.position_list(), compress=compress)
+#: ``on_event(kind, tier name, nbytes)``: see :class:`TierStack`
+EventHook = Callable[[str, str, int], None]
 
 
 class TierStack:
@@ -77,13 +59,20 @@ class TierStack:
         compression: ``"lz4"`` (compress below the top tier) or ``"none"``.
         promote: copy hits from lower tiers into the tiers above them.
         max_workers: threads for write-down and promotion, and as many for async reads.
+        raw_top: the top tier holds raw objects (put and promotion decode lz4). False: it
+            is encoded like the tiers below (put compresses; promotion copies as found).
+        on_event: ``on_event(kind, tier name, nbytes)``, from any thread, for each
+            ``"write"`` (a put, write-down or promotion stored ``nbytes`` there),
+            ``"write_failed"`` and ``"corrupt"`` (an object failed validation and was
+            deleted); its exceptions are logged.
 
     Raises:
         ValueError: no tiers, duplicate names, unknown ``write_down`` names or compression.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, write_down: Sequence[str] | None = None,
-                 compression: str = "lz4", promote: bool = True, max_workers: int = 4) -> None:
+                 compression: str = "lz4", promote: bool = True, max_workers: int = 4,
+                 raw_top: bool = True, on_event: EventHook | None = None) -> None:
         if not tiers:
             raise ValueError("a TierStack needs at least one tier")
         names = [t.name for t in tiers]
@@ -99,6 +88,8 @@ class TierStack:
         self.tiers = list(tiers)
         self.compression = compression
         self.promote = promote
+        self.raw_top = raw_top
+        self.on_event = on_event
         # Separate pools: a burst of write-downs must not queue ahead of a layer read that
         # the blend engine is about to wait for.
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tierstack-io")
@@ -114,10 +105,11 @@ class TierStack:
     @classmethod
     def from_config(cls, cfg, disk_path: str, **kwargs) -> TierStack:
         """host → disk → redis → s3 as a :class:`tiers.config.TiersConfig` describes them
-        (a tier sized 0 or without a URL is left out); every lower tier is written down.
+        (a tier sized 0 or without a URL is left out, and so is a shared tier that cannot be
+        opened: see :func:`shared_tiers`); every lower tier is written down.
 
         Raises:
-            ValueError: from the tiers' constructors (e.g. a malformed URL).
+            ValueError: from the host or disk tier's constructor.
         """
         from tiers.disk import DiskTier
         from tiers.host import HostTier
@@ -125,12 +117,7 @@ class TierStack:
         tiers: list[Tier] = [HostTier(int(cfg.host_size_gib * 2**30), cfg.eviction_policy)]
         if cfg.disk_size_gib > 0:
             tiers.append(DiskTier(disk_path, int(cfg.disk_size_gib * 2**30), cfg.eviction_policy))
-        if cfg.redis_url:
-            from tiers.redis_tier import RedisTier
-            tiers.append(RedisTier.from_config(cfg))
-        if cfg.s3_url:
-            from tiers.s3 import S3Tier
-            tiers.append(S3Tier.from_config(cfg))
+        tiers += shared_tiers(cfg)
         return cls(tiers, compression=cfg.compression, **kwargs)
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -151,6 +138,43 @@ class TierStack:
         with self._lock:
             self._stats[name] += 1
 
+    def _emit(self, kind: str, tier: Tier, nbytes: int) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(kind, tier.name, nbytes)
+        except Exception:  # noqa: BLE001 - an observer's bug must not break the data path
+            log.exception("tier stack on_event(%s, %s) failed", kind, tier.name)
+
+    def _corrupt(self, tier: Tier, key: ChunkKey) -> None:
+        """Count and drop an object of ``tier`` that failed validation."""
+        self.counters.add("corrupt")
+        self._bump("corrupt_deleted")
+        self._delete_from(tier, [key])
+        self._emit("corrupt", tier, 0)
+
+    def _delete_from(self, tier: Tier, keys: Sequence[ChunkKey]) -> int:
+        try:
+            return tier.delete(keys)
+        except Exception as e:  # noqa: BLE001 - a failing tier must not fail the caller
+            log.warning("tier stack: delete on %s failed: %s", tier.name, e)
+            return 0
+
+    def _put_tier(self, tier: Tier, key: ChunkKey, obj: Buffer) -> bool:
+        try:
+            ok = bool(tier.put(key, obj))
+        except Exception as e:  # noqa: BLE001 - a failing tier is a failed write
+            log.debug("tier stack: put to %s failed: %s", tier.name, e)
+            ok = False
+        self._emit("write" if ok else "write_failed", tier, memoryview(obj).nbytes)
+        return ok
+
+    def _form(self, obj: Buffer, key: ChunkKey, header: ChunkHeader, top: bool) -> Buffer:
+        """``obj`` as the top tier (``top``) or a lower tier stores it."""
+        if self.compression != "lz4":
+            return obj
+        return recode(obj, key, not (top and self.raw_top), header)
+
     def _cached_header(self, tier: Tier, key: ChunkKey) -> ChunkHeader | None:
         with self._lock:
             h = self._headers.get((tier.name, key))
@@ -168,8 +192,11 @@ class TierStack:
                 self._headers.popitem(last=False)
 
     # -- writes --------------------------------------------------------------------------
-    def put(self, key: ChunkKey, obj: Buffer) -> bool:
+    def put(self, key: ChunkKey, obj: Buffer, header: ChunkHeader | None = None) -> bool:
         """Store an encoded chunk object: top tier now, ``write_down`` tiers in background.
+
+        Args:
+            header: ``validate_object(obj, key)``'s result when the caller already checked it.
 
         Returns:
             Whether the top tier took it (a full top tier still writes down).
@@ -177,21 +204,56 @@ class TierStack:
         Raises:
             ValueError: ``obj`` is not a valid chunk object of ``key``.
         """
-        try:
-            header = validate_object(obj, key)
-        except FormatError as e:
-            raise ValueError(f"put of {key}: not a valid chunk object: {e}") from None
-        top = self.tiers[0]
-        ok = top.put(key, recode(obj, key, False, header) if self.compression == "lz4" else obj)
+        if header is None:
+            try:
+                header = validate_object(obj, key)
+            except FormatError as e:
+                raise ValueError(f"put of {key}: not a valid chunk object: {e}") from None
+        top, low, ok = self.tiers[0], None, True
+        if not top.contains([key])[0]:  # first wins: no re-encoding for a present key
+            form = self._form(obj, key, header, True)
+            ok = self._put_tier(top, key, form)
+            low = None if self.raw_top else form  # then the lower form already: no 2nd recode
         if self.write_down:
-            self._submit(self._write_down, key, obj, header)
+            self._submit(self._write_down, key, obj, header, low)
         return ok
 
-    def _write_down(self, key: ChunkKey, obj: Buffer, header: ChunkHeader) -> None:
-        low = recode(obj, key, self.compression == "lz4", header)
-        for tier in self.tiers[1:]:
-            if tier.name in self.write_down and not tier.put(key, low):
+    def _write_down(self, key: ChunkKey, obj: Buffer, header: ChunkHeader,
+                    low: Buffer | None) -> None:
+        for ok in self._store(key, obj, header, self.write_down, low).values():
+            if not ok:
                 self._bump("write_down_failures")
+
+    def store(self, key: ChunkKey, obj: Buffer, names: Sequence[str], *,
+              header: ChunkHeader | None = None) -> dict[str, bool]:
+        """Now, into the named tiers lacking ``key`` (a tier holding it is not rewritten),
+        encoded as this stack stores it there; ``header`` as in :meth:`put`. Returns per
+        name whether that tier holds it now. Raises ``ValueError`` for an unknown name or
+        an invalid object."""
+        if set(names) - {t.name for t in self.tiers}:
+            raise ValueError(f"tiers {list(names)} are not all in this stack")
+        try:
+            header = validate_object(obj, key) if header is None else header
+        except FormatError as e:
+            raise ValueError(f"store of {key}: not a valid chunk object: {e}") from None
+        return self._store(key, obj, header, names, None)
+
+    def _store(self, key: ChunkKey, obj: Buffer, header: ChunkHeader, names: Sequence[str],
+               low: Buffer | None) -> dict[str, bool]:
+        """:meth:`store` of a checked object; ``low``: its lower form when known."""
+        out: dict[str, bool] = {}
+        for tier in self.tiers:
+            if tier.name not in names:
+                continue
+            if tier.contains([key])[0]:
+                out[tier.name] = True
+            elif tier is self.tiers[0] and self.raw_top:
+                out[tier.name] = self._put_tier(tier, key, self._form(obj, key, header, True))
+            else:
+                if low is None:
+                    low = self._form(obj, key, header, False)
+                out[tier.name] = self._put_tier(tier, key, low)
+        return out
 
     def flush(self, timeout_s: float | None = 60.0) -> bool:
         """Wait for pending write-downs and promotions; True when all finished in time."""
@@ -262,9 +324,7 @@ class TierStack:
                 return got
             self._cache_header(tier, key, None)
             if local.snapshot()["corrupt"]:
-                self.counters.add("corrupt")
-                self._bump("corrupt_deleted")
-                tier.delete([key])
+                self._corrupt(tier, key)
         self.counters.add("misses")
         return None
 
@@ -296,21 +356,25 @@ class TierStack:
 
     def get(self, key: ChunkKey) -> Buffer | None:
         """The whole object from the first tier holding a valid one (promoting it), or None."""
+        found = self.find(key)
+        return None if found is None else found[1]
+
+    def find(self, key: ChunkKey) -> tuple[str, Buffer, ChunkHeader] | None:
+        """As :meth:`get`, with the name of the tier it came from and its validated header:
+        ``(tier name, object, header)``, or None when no tier holds a valid object."""
         for depth, tier in enumerate(self.tiers):
             obj = tier.get(key)
             if obj is None:
                 continue
             try:
-                validate_object(obj, key)
+                header = validate_object(obj, key)
             except FormatError:
-                self.counters.add("corrupt")
-                self._bump("corrupt_deleted")
-                tier.delete([key])
+                self._corrupt(tier, key)
                 continue
             self.counters.add("hits")
             if depth > 0 and self.promote:
                 self._promote(key, depth, obj)
-            return obj
+            return tier.name, obj, header
         self.counters.add("misses")
         return None
 
@@ -361,14 +425,13 @@ class TierStack:
             try:
                 header = validate_object(obj, key)
             except FormatError:
-                self.counters.add("corrupt")
-                self._bump("corrupt_deleted")
-                self.tiers[src].delete([key])
+                self._corrupt(self.tiers[src], key)
                 return False
-            raw = recode(obj, key, False, header) if self.compression == "lz4" else obj
+            # raw_top off: the top tier takes the object as found, like the tiers below it
+            top = self._form(obj, key, header, True) if self.raw_top else obj
             ok = True
             for tier in self.tiers[:src]:
-                ok = tier.put(key, raw if tier is self.tiers[0] else obj) and ok
+                ok = self._put_tier(tier, key, top if tier is self.tiers[0] else obj) and ok
             self._bump("promotions")
             return ok
         finally:
@@ -400,13 +463,26 @@ class TierStack:
         present = [False] * len(keys)
         for tier in self.tiers:
             hits = tier.contains(keys)
-            tier.delete(keys)
+            self._delete_from(tier, keys)
             present = [p or h for p, h in zip(present, hits, strict=False)]
+        self._forget(keys)
+        return sum(present)
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Delete every chunk (of ``namespace`` when given) from the tiers that list their
+        keys (host, disk; not Redis or S3); returns how many were deleted."""
+        n = 0
+        for tier in (t for t in self.tiers if hasattr(t, "keys")):
+            keys = [k for k in tier.keys() if namespace is None or k.namespace == namespace]
+            n += self._delete_from(tier, keys)
+            self._forget(keys)
+        return n
+
+    def _forget(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
             for tier in self.tiers:
                 for k in keys:
                     self._headers.pop((tier.name, k), None)
-        return sum(present)
 
     def stats(self) -> dict[str, dict[str, float]]:
         with self._lock:

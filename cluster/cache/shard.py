@@ -1,8 +1,6 @@
 """The cache shard: a Ray actor owning one node's host and disk tiers, above shared Redis/S3.
 
-This module is the actor's state and methods (:class:`CacheShard`), the shared tiers that it
-and the client's dead-shard path both open (:func:`make_shared_tiers`) and the lz4
-re-encoding of objects written below memory (:func:`lower_object`). Starting, finding and
+This module is the actor's state and methods (:class:`CacheShard`). Starting, finding and
 stopping the actors is :mod:`cluster.cache.lifecycle`: one shard per cache node (a node
 advertising ``shard_resource``; ``shards_per_node`` for more), named
 ``kvblend-shard-<node_id[:8]>-<i>``, detached, in namespace ``ray_namespace``, created
@@ -11,11 +9,21 @@ idempotently and restarted by Ray. Its disk directory is ``<disk_root>/<shard na
 its disk chunks again (:class:`tiers.disk.DiskTier` rebuilds its index from the files).
 
 Tiers, top to bottom: ``host`` (a :class:`tiers.host.HostTier` of Ray ``ObjectRef``\\ s) →
-``disk`` → ``redis`` → ``s3`` (the last two shared by all shards). ``put`` writes the host
-tier at once and the lower tiers in the background (write-through: the disk so a restart
-loses nothing, Redis/S3 so other shards and clients with a dead owner still find it);
-``drain`` waits for those writes. A lookup that finds a chunk below host memory starts its
-promotion (prefetch) into host memory in the background.
+``disk`` → ``redis`` → ``s3`` (the last two shared by all shards, opened by
+:func:`tiers.lower.shared_tiers`). The tiers below host memory are one
+:class:`tiers.stack.TierStack` (``lower_stack``): it encodes what goes below memory (lz4 per
+layer when ``compression='lz4'``), writes down only to tiers lacking a chunk, validates
+what it reads, deletes a corrupt copy and falls through to the next tier, and copies a
+Redis/S3 hit into the tiers above it (disk; Redis for an S3 hit). The disk keeps lz4 objects
+like Redis/S3 (``raw_top=False``): the disk is not memory, lz4 saves its space and the
+bytes a promotion reads, a Redis/S3 hit is copied into it unchanged, and a restarted shard
+finds the encoding it always wrote (readers slice each object with its own header, so
+encodings may differ between tiers). ``put`` writes the host tier at once and the lower tiers
+in the background (write-through: the disk so a restart loses nothing, Redis/S3 so other
+shards and clients with a dead owner still find it); ``drain`` waits for those writes. A
+lookup that finds a chunk below host memory starts its promotion (prefetch) into host
+memory in the background. The stack's writes and corrupt copies feed the shard's counters
+and metrics (``on_event``).
 
 Bulk bytes never travel through actor method returns. Each host-resident chunk object is
 one numpy ``uint8`` array ``ray.put`` by the shard (so the shard owns it and our eviction,
@@ -58,55 +66,13 @@ import numpy as np
 
 from cluster.cache.metrics import ShardMetrics
 from tiers.config import TiersConfig
-from tiers.format import FormatError, decode_layer, encode_chunk
+from tiers.format import FormatError
 from tiers.keys import ChunkKey
+from tiers.lower import shared_tiers
 from tiers.reader import read_header, validate_object
+from tiers.stack import TierStack
 
 log = logging.getLogger("kvblend.shard")
-
-
-def make_shared_tiers(cfg: TiersConfig) -> list:
-    """The shared tiers below every shard (Redis, then S3) that ``cfg`` configures.
-
-    A tier whose module is missing or whose constructor fails is left out with a warning
-    (its reads are then misses), never an exception.
-    """
-    out = []
-    if cfg.redis_url:
-        try:
-            from tiers.redis_tier import RedisTier
-
-            out.append(_construct(RedisTier, cfg))
-        except Exception as e:  # noqa: BLE001 - a broken shared tier degrades to misses
-            log.warning("redis tier %s unavailable: %s", cfg.redis_url, e)
-    if cfg.s3_url:
-        try:
-            from tiers.s3 import S3Tier
-
-            out.append(_construct(S3Tier, cfg))
-        except Exception as e:  # noqa: BLE001
-            log.warning("s3 tier %s unavailable: %s", cfg.s3_url, e)
-    return out
-
-
-def _construct(cls, cfg: TiersConfig):
-    factory = getattr(cls, "from_config", None)
-    if factory is not None:
-        return factory(cfg)
-    raise RuntimeError(f"{cls.__name__} has no from_config(TiersConfig)")
-
-
-def lower_object(obj, header, compression: str) -> bytes | memoryview:
-    """The object to write below memory: lz4 per layer when ``compression == 'lz4'`` and the
-    object is stored raw (a layer that does not shrink by 1.1x stays raw), else as is."""
-    if compression != "lz4" or any(e.codec != 0 for e in header.layers):
-        return obj
-    view = memoryview(obj).cast("B")
-    layers = [decode_layer(header, i, view[e.offset:e.offset + e.stored_len])
-              for i, e in enumerate(header.layers)]
-    return encode_chunk(ChunkKey.parse(header.key), layers, dtype=header.dtype,
-                        num_tokens=header.num_tokens, num_kv_heads=header.num_kv_heads,
-                        head_dim=header.head_dim, positions=header.position_list(), compress=True)
 
 
 class CacheShard:
@@ -139,8 +105,12 @@ class CacheShard:
         if tiers_config.disk_size_gib > 0:
             self.disk = DiskTier(os.path.join(disk_root, name), int(tiers_config.disk_size_gib * 2**30),
                                  tiers_config.eviction_policy, name="disk")
-        self.shared = make_shared_tiers(tiers_config)
+        self.shared = shared_tiers(tiers_config)
         self.lower = ([self.disk] if self.disk is not None else []) + self.shared
+        # lz4 on disk too (raw_top=False): see the module docstring
+        self.lower_stack = TierStack(
+            self.lower, compression=tiers_config.compression, raw_top=False,
+            on_event=self._on_tier_event) if self.lower else None
         self.metrics = ShardMetrics(name, metrics)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-shard")
         self._lock = threading.Lock()
@@ -175,32 +145,34 @@ class CacheShard:
         self.metrics.inc("kvblend_bytes_in", arr.nbytes, "host")
         return ref
 
+    def _on_tier_event(self, kind: str, tier: str, nbytes: int) -> None:
+        """The lower stack's writes and corrupt copies, as counters and metrics."""
+        if kind == "write":
+            self.metrics.inc("kvblend_bytes_in", nbytes, tier)
+        elif kind == "write_failed":
+            self._count("write_errors")
+        elif kind == "corrupt":  # deleted there; the read fell through (a miss if nowhere)
+            log.debug("%s: %s held a corrupt object", self.name, tier)
+            self._count("read_errors")
+            self.metrics.inc("kvblend_read_errors", 1, tier)
+
     def _promote(self, key: ChunkKey, prefetch: bool) -> object | None:
-        """Read the whole object from the first lower tier holding it into host memory."""
+        """Read the whole object from the first lower tier holding a valid one into host
+        memory (the stack copies a Redis/S3 hit into the tiers above it in background)."""
         entry = self._host_entry(key)
         if entry is not None:
             return entry[0]
-        for tier in self.lower:
-            obj = tier.get(key)
-            if obj is None:
-                continue
-            try:
-                header = validate_object(obj, key)
-            except FormatError as e:
-                log.debug("%s: %s rejected %s: %s", self.name, tier.name, key, e)
-                self._count("read_errors")
-                self.metrics.inc("kvblend_read_errors", 1, tier.name)
-                continue
-            self.metrics.inc("kvblend_bytes_out", len(obj), tier.name)
-            ref = self._store_host(key, obj, header.header_end)
-            self._count("promotions")
-            if prefetch:
-                with self._lock:
-                    self._prefetched.add(key)
-            if tier is not self.disk and self.disk is not None:
-                self._write(self.disk, key, obj)
-            return ref
-        return None
+        found = self.lower_stack.find(key) if self.lower_stack is not None else None
+        if found is None:
+            return None
+        tier, obj, header = found
+        self.metrics.inc("kvblend_bytes_out", len(obj), tier)
+        ref = self._store_host(key, obj, header.header_end)
+        self._count("promotions")
+        if prefetch:
+            with self._lock:
+                self._prefetched.add(key)
+        return ref
 
     def _promote_async(self, key: ChunkKey) -> None:
         with self._lock:
@@ -212,27 +184,14 @@ class CacheShard:
         self.metrics.inc("kvblend_prefetch_started")
         fut.add_done_callback(lambda _f, k=key: self._promoting.pop(k, None))
 
-    def _write(self, tier, key: ChunkKey, obj) -> bool:
-        try:
-            ok = tier.put(key, obj)
-        except Exception as e:  # noqa: BLE001 - a failing tier must not kill the shard
-            log.debug("%s: put to %s failed: %s", self.name, tier.name, e)
-            ok = False
-        if ok:
-            self.metrics.inc("kvblend_bytes_in", len(obj), tier.name)
-        else:
-            self._count("write_errors")
-        return ok
-
     def _write_down(self, key: ChunkKey, arr: np.ndarray, header) -> None:
+        """The stack's put (its top, the disk, here; Redis/S3 by its own threads): lz4, and
+        only into tiers lacking ``key`` (first wins); failures count ``write_errors``."""
         try:
-            lower = lower_object(arr, header, self.cfg.compression)
-        except FormatError:
+            self.lower_stack.put(key, arr, header)
+        except (FormatError, ValueError) as e:
+            log.debug("%s: write-down of %s failed: %s", self.name, key, e)
             self._count("write_errors")
-            return
-        for tier in self.lower:
-            if not tier.contains([key])[0]:
-                self._write(tier, key, lower)
 
     # -- actor methods -----------------------------------------------------------------------
     def ready(self) -> dict:
@@ -348,7 +307,7 @@ class CacheShard:
             return False
         self._count("puts")
         stored = self._store_host(key, obj, header.header_end) is not None
-        if self.lower:
+        if self.lower_stack is not None:
             fut = self._pool.submit(self._write_down, key, obj, header)
             with self._lock:
                 self._writes.add(fut)
@@ -356,11 +315,15 @@ class CacheShard:
         return stored or bool(self.lower)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
-        """Wait for background writes to lower tiers; True when none is left pending."""
+        """Wait for background writes to lower tiers (and the stack's copies of promoted
+        chunks); True when none is left pending."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             pending = list(self._writes)
         _, not_done = wait_futures(pending, timeout=timeout_s)
-        return not not_done
+        if not_done:
+            return False
+        return self.lower_stack is None or self.lower_stack.flush(max(0.0, deadline - time.monotonic()))
 
     def drain_to_shared(self, timeout_s: float = 300.0) -> int:
         """Before this shard's node is removed: copy every chunk of its host and disk tiers
@@ -372,14 +335,14 @@ class CacheShard:
         deadline = time.monotonic() + timeout_s
         written = 0
         local = [self.host] + ([self.disk] if self.disk is not None else [])
+        names = [t.name for t in self.shared]
         seen: set[ChunkKey] = set()
         for tier in local:
             for key in tier.keys():
                 if key in seen or time.monotonic() > deadline:
                     continue
                 seen.add(key)
-                missing = [t for t in self.shared if not t.contains([key])[0]]
-                if not missing:
+                if all(t.contains([key])[0] for t in self.shared):
                     continue
                 if tier is self.host:
                     entry = self.host.get_object(key)
@@ -394,11 +357,11 @@ class CacheShard:
                     continue
                 try:
                     header = validate_object(obj, key)
-                    lower = lower_object(obj, header, self.cfg.compression)
                 except FormatError:
                     self._count("read_errors")
                     continue
-                if all([self._write(t, key, lower) for t in missing]):
+                # lz4-encoded once, into the shared tiers lacking it
+                if all(self.lower_stack.store(key, obj, names, header=header).values()):
                     written += 1
         return written
 
@@ -406,11 +369,9 @@ class CacheShard:
         """Whether each key is in any of this shard's tiers (no promotion)."""
         parsed = [ChunkKey.parse(k) for k in keys]
         found = self.host.contains(parsed)
-        for tier in self.lower:
-            rest = [i for i, f in enumerate(found) if not f]
-            if not rest:
-                break
-            got = tier.contains([parsed[i] for i in rest])
+        rest = [i for i, f in enumerate(found) if not f]
+        if rest and self.lower_stack is not None:
+            got = self.lower_stack.contains([parsed[i] for i in rest])
             for i, g in zip(rest, got, strict=True):
                 found[i] = g
         return found
@@ -420,26 +381,18 @@ class CacheShard:
         keys were present anywhere."""
         parsed = [ChunkKey.parse(k) for k in keys]
         present = self.contains(keys)
-        for tier in [self.host, *self.lower]:
-            try:
-                tier.delete(parsed)
-            except Exception as e:  # noqa: BLE001
-                log.debug("%s: delete on %s failed: %s", self.name, tier.name, e)
+        self.host.delete(parsed)
+        if self.lower_stack is not None:
+            self.lower_stack.delete(parsed)  # a failing tier is logged, never raised
         return sum(present)
 
     def clear(self, namespace: str | None = None) -> int:
         """Delete every chunk (of ``namespace`` when given) from host and disk, and from the
         shared tiers when they can list keys; returns the number of keys deleted."""
-        n = 0
-        for tier in [self.host, *self.lower]:
-            lister = getattr(tier, "keys", None)
-            if lister is None:
-                continue
-            try:
-                keys = [k for k in lister() if namespace is None or k.namespace == namespace]
-                n += tier.delete(keys)
-            except Exception as e:  # noqa: BLE001
-                log.debug("%s: clear on %s failed: %s", self.name, tier.name, e)
+        n = self.host.delete([k for k in self.host.keys()
+                              if namespace is None or k.namespace == namespace])
+        if self.lower_stack is not None:
+            n += self.lower_stack.clear(namespace)  # tiers that list keys: disk, not Redis/S3
         with self._lock:
             self._prefetched.clear()
         return n

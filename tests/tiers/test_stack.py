@@ -1,5 +1,6 @@
-"""TierStack: read-through with promotion, write-down with lz4, prefetch, per-layer futures,
-pins during reads, corrupt lower copies, and concurrent writers/readers (no torn objects)."""
+"""TierStack: read-through with promotion, write-down with lz4 (raw or lz4 on top), prefetch,
+per-layer futures, pins during reads, corrupt lower copies, concurrent writers/readers (no
+torn objects), events, clear, and the tolerant opening of the shared tiers."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import threading
 
 import pytest
 
-from tests.factories import as_layer, layer_buffers, make_key, make_kv, make_object
+from tests.factories import NAMESPACE, as_layer, layer_buffers, make_key, make_kv, make_object
 from tiers.format import CODEC_LZ4, parse_header
 from tiers.host import HostTier
 from tiers.stack import TierStack
+from tiers.tier import MemoryTier
 
 
 @pytest.fixture
@@ -119,13 +121,13 @@ def test_chunk_is_pinned_during_a_read(make_tier):
     seen = []
 
     stack = TierStack([host], write_down=())
-    real = host.get_ranges
+    real = host.get_ranges_verified  # what tiers.reader reads layers of host memory with
 
     def spying(k, ranges):
         seen.append(host._index.is_pinned(k))
         return real(k, ranges)
 
-    host.get_ranges = spying
+    host.get_ranges_verified = spying
     assert stack.read_layers(key, [0], layer_buffers(kv)[:1]) is not None
     assert seen == [True] and not host._index.is_pinned(key)
     stack.close()
@@ -236,3 +238,94 @@ def test_dead_redis_in_the_middle_of_a_stack_falls_through_to_s3(make_tier, priv
     assert stack.flush(30) and host.contains([key]) == [True]     # promoted past dead Redis
     assert redis.stats()["errors"] >= 2                           # its read and its promotion put
     stack.close()
+
+
+def _codecs(obj) -> set[int]:
+    return {e.codec for e in parse_header(obj).layers}
+
+
+def test_raw_top_false_keeps_the_top_tier_encoded_like_the_tiers_below():
+    """The cache shard's stack starts at its disk: lz4 there too, on put and on promotion
+    (copied as found), where the default (raw_top) stores raw objects on top."""
+    key = make_key(1)
+    kv = make_kv(compressible=True)
+    obj = make_object(key, kv)
+    disk, redis = MemoryTier(1 << 20, "disk"), MemoryTier(1 << 20, "redis")
+    stack = TierStack([disk, redis], compression="lz4", raw_top=False)
+    assert stack.put(key, obj) and stack.flush(10)
+    assert _codecs(disk.get(key)) == _codecs(redis.get(key)) == {CODEC_LZ4}
+    disk.delete([key])
+    name, got, header = stack.find(key)
+    assert name == "redis" and header.total_bytes == len(got) and stack.flush(10)
+    assert bytes(disk.get(key)) == bytes(redis.get(key))     # promoted as found: lz4
+    outs = layer_buffers(kv)
+    assert stack.read_layers(key, range(3), outs) is not None
+    assert all(as_layer(o, kv[i]).equal(kv[i]) for i, o in enumerate(outs))
+    stack.close()
+    raw = TierStack([MemoryTier(1 << 20, "disk"), MemoryTier(1 << 20, "redis")])   # default
+    raw.put(key, make_object(key, kv, compress=True))
+    assert raw.flush(10) and _codecs(raw.tiers[0].get(key)) == {0}
+    assert _codecs(raw.tiers[1].get(key)) == {CODEC_LZ4}
+    raw.close()
+
+
+def test_write_down_skips_tiers_holding_the_key_and_reports_events():
+    """Every write, failed write and corrupt copy reaches on_event (the shard's metrics); a
+    tier that already holds the key is not written again (first wins)."""
+    events = []
+    top, mid, full = MemoryTier(1 << 20, "disk"), MemoryTier(1 << 20, "redis"), MemoryTier(10, "s3")
+    stack = TierStack([top, mid, full], raw_top=False,
+                      on_event=lambda kind, tier, n: events.append((kind, tier, n > 0)))
+    key, other = make_key(1), make_key(2)
+    kv = make_kv(compressible=True)
+    mid.put(key, make_object(key, kv, compress=True))
+    puts = []
+    real_put = mid.put
+    mid.put = lambda k, o: puts.append(k) or real_put(k, o)
+    assert stack.put(key, make_object(key, kv)) and stack.flush(10)
+    assert puts == [] and sorted(events) == [("write", "disk", True), ("write_failed", "s3", True)]
+    assert stack.stats()["stack"]["write_down_failures"] == 1
+    events.clear()
+    bad = bytearray(top.get(key))
+    bad[-3] ^= 0xFF
+    top.delete([key])
+    top.put(key, bytes(bad))
+    assert stack.find(key)[0] == "redis" and stack.flush(10)
+    assert events == [("corrupt", "disk", False), ("write", "disk", True)]
+    assert bytes(top.get(key)) == bytes(mid.get(key))              # the bad copy was replaced
+    assert stack.store(other, make_object(other, make_kv(seed=2)), ["redis"]) == {"redis": True}
+    assert top.contains([other]) == [False] and mid.contains([other]) == [True]
+    with pytest.raises(ValueError, match="not all in this stack"):
+        stack.store(other, make_object(other, kv), ["gpu"])
+
+    def broken(k, o):
+        raise OSError("disk gone")
+
+    top.put = broken                                               # a raising tier: a failed write
+    assert stack.put(make_key(3), make_object(make_key(3), kv)) is False
+    assert stack.flush(10)
+    stack.close()
+
+
+def test_clear_deletes_a_namespace_from_listing_tiers(make_tier):
+    host, disk = make_tier("host"), make_tier("disk")
+    stack = TierStack([host, disk])
+    mine, theirs = make_key(1), make_key(2, namespace="fedcba9876543210")
+    for k in (mine, theirs):
+        stack.put(k, make_object(k, make_kv()))
+    assert stack.flush(10)
+    assert stack.clear(NAMESPACE) == 2                             # host and disk copies
+    assert stack.contains([mine, theirs]) == [False, True]
+    assert stack.clear() == 2 and stack.contains([theirs]) == [False]
+    stack.close()
+
+
+def test_shared_tiers_leave_out_a_tier_that_cannot_be_opened(caplog, tmp_path):
+    from tiers.config import TiersConfig
+    from tiers.lower import shared_tiers
+
+    cfg = TiersConfig(disk_size_gib=0, redis_url="http://not-redis", s3_url="gs://not-s3")
+    assert shared_tiers(cfg) == []
+    assert "redis tier http://not-redis unavailable" in caplog.text
+    assert "s3 tier gs://not-s3 unavailable" in caplog.text
+    assert [t.name for t in TierStack.from_config(cfg, str(tmp_path)).tiers] == ["host"]
