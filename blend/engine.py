@@ -13,9 +13,11 @@ Algorithm (Yao et al., "CacheBlend", EuroSys 2025, §4.2-§4.3 selection, §5 pi
                        cached, re-rotated KV of the rest; each row attends causally over it
     later check layer  the continuing reused rows are re-scored and cut to that layer's ratio
 
-Cached KV of layer ``l+1`` (and ``l+2``) is requested from the :class:`KVSource` on a
-background thread before layer ``l`` is computed, so loading overlaps compute (§5). Layers
-below the first check layer never need the cache. A chunk whose layer cannot be read (None
+Every cached layer the request needs (the first check layer and up) is requested from the
+:class:`KVSource` in one call when the blend starts; the source moves them in the background
+while the engine computes, so loading overlaps compute (§5), and on CUDA the compute stream
+waits on each layer's copy event rather than the host waiting for the copy. Layers below the
+first check layer never need the cache. A chunk whose layer cannot be read (None
 from the source, wrong shape) turns the request into full prefill, never a failure.
 
 Per layer above the first check layer the engine allocates one ``[2, T, H, D]`` buffer, puts
@@ -39,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +56,6 @@ from tiers.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 
-#: Layers requested ahead of the one being computed.
-PREFETCH_DEPTH = 2
 #: Deviation used to rank reused tokens at a check layer.
 SCORES = ("k", "v", "kv")
 
@@ -134,20 +134,16 @@ class BlendEngine:
             call :meth:`blend` with the same plan segments, hits and ratios. Reductions the
             model itself needs (row-parallel projections) are the model adapter's business.
             None: no tensor parallelism.
-        fetch_thread_initializer: called at the start of the fetch thread (e.g. to set
-            its CPU affinity: inside a vLLM CPU worker a new thread inherits the main
-            thread's single pinned core).
 
     Re-rotation of cached K uses the model's ``inv_freq`` ``[D/2]`` when it has one, else
     :func:`blend.rope.inv_freq_for` of its spec (what :meth:`BlendModel.rotate_k` uses).
 
-    The engine keeps no per-request state between calls; one background thread (started on
-    first use) reads layers from the source.
+    The engine keeps no per-request state between calls and owns no threads: the source
+    reads the layers it was asked for in the background.
     """
 
     def __init__(self, model: BlendModel, source: KVSource | None = None, *, score: str = "k",
-                 process_group: torch.distributed.ProcessGroup | None = None,
-                 fetch_thread_initializer: Callable[[], None] | None = None) -> None:
+                 process_group: torch.distributed.ProcessGroup | None = None) -> None:
         if score not in SCORES:
             raise ValueError(f"score={score!r}: choose one of {SCORES}")
         self.score = score
@@ -156,20 +152,16 @@ class BlendEngine:
         self.spec = model.spec
         self.scale = float(getattr(model, "scale", self.spec.head_dim ** -0.5))
         self.process_group = process_group
-        self._fetch_thread_initializer = fetch_thread_initializer
         self._group_device = torch.device("cpu")
         if process_group is not None and torch.distributed.get_backend(process_group) == "nccl":
             self._group_device = model.device
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ public
 
     def close(self) -> None:
-        """Stop the fetch thread (idempotent); the engine can still be used afterwards."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Nothing to release (the engine owns no threads; the source does): kept so callers
+        can treat every engine alike. Idempotent."""
 
     def prefill(self, token_ids: Sequence[int], *, want_logits: bool = True,
                 on_layer: OnLayer | None = None) -> BlendResult:
@@ -214,9 +206,8 @@ class BlendEngine:
         mid-request fallback the layers count from 0 again); returns the
         :class:`BlendResult` (``StopIteration.value``; :func:`run_steps` drives it to the
         end). Drive it with gradients off (``torch.no_grad``/``inference_mode`` around each
-        ``next``) and on one thread at a time; the next layer's cached KV keeps loading on
-        the fetch thread between steps. ``close()`` abandons the request (pending reads are
-        cancelled). ``counters.compute_s`` counts only the time spent inside steps.
+        ``next``) and on one thread at a time; cached layers keep loading in the source
+        between steps. ``close()`` abandons the request (pending reads are cancelled). ``counters.compute_s`` counts only the time spent inside steps.
 
         Raises:
             ValueError: as :meth:`blend`, from the first ``next``.
@@ -328,10 +319,28 @@ class BlendEngine:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
         return int(flag) == 0
 
-    def _fetch(self, keys, layer_idx: int) -> list[torch.Tensor | None] | None:
-        """Runs on the fetch thread: one layer of every hit chunk, or None on any fault."""
+    def _start_fetch(self, rows: _RequestRows, first_check: int) -> dict[int, Future]:
+        """Ask the source once for every layer from the first check layer up (the source moves
+        them while the engine computes; CacheBlend §5). Layers below the first check layer
+        never need the cache. A source that raises here sends the request to full prefill
+        (its layers count as unreadable)."""
+        if not rows.keys:
+            return {}
+        layers = list(range(first_check, self.spec.num_layers))
         try:
-            return list(self.source.fetch_layer(keys, layer_idx).result())
+            futs = self.source.fetch_layers(rows.keys, layers)
+        except Exception as e:  # a broken source is a miss, never a failed request
+            log.warning("fetch of the cached layers failed (%s: %s)", type(e).__name__, e)
+            return {}
+        return dict(zip(layers, futs, strict=False))
+
+    @staticmethod
+    def _layer_result(fut: Future | None, layer_idx: int) -> list[torch.Tensor | None] | None:
+        """The layer a source's future holds, or None on any fault (never raises)."""
+        if fut is None:
+            return None
+        try:
+            return fut.result()
         except Exception as e:  # a broken source is a miss, never a failed request
             log.warning("fetch of layer %d failed (%s: %s)", layer_idx, type(e).__name__, e)
             return None
@@ -363,17 +372,6 @@ class BlendEngine:
                             is_reused.to(device), num_reused, forced,
                             self._inv_freq_on(device) if hits else None)
 
-    def _request_layer(self, rows: _RequestRows, pending: dict[int, Future], layer_idx: int,
-                       first_check: int) -> None:
-        """Step 2 of :meth:`_blend`: ask the fetch thread for ``layer_idx`` of the hit chunks
-        (started on first use), unless no layer is needed: no hits, below the first check
-        layer, past the model, or already asked for."""
-        if rows.keys and first_check <= layer_idx < self.spec.num_layers and layer_idx not in pending:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-fetch",
-                                                initializer=self._fetch_thread_initializer)
-            pending[layer_idx] = self._pool.submit(self._fetch, rows.keys, layer_idx)
-
     def _cached_layer(self, rows: _RequestRows, pending: dict[int, Future], layer_idx: int,
                       counters: BlendCounters) -> torch.Tensor:
         """Step 3 of :meth:`_blend`: this layer's KV buffer ``[2, T, H, D]``. Hit rows hold the
@@ -389,7 +387,7 @@ class BlendEngine:
         if not rows.keys:
             return kv
         t0 = time.perf_counter()
-        got = pending.pop(layer_idx).result()
+        got = self._layer_result(pending.pop(layer_idx, None), layer_idx)
         counters.load_wait_s += time.perf_counter() - t0
         why = None
         if got is None or len(got) != len(rows.hits):
@@ -403,6 +401,9 @@ class BlendEngine:
                     break
         if not self._all_ranks_ok(why is None):
             raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank")
+        ready = getattr(got, "ready", None)
+        if ready is not None:  # the source's copy of this layer: the device waits, not the host
+            torch.cuda.current_stream(model.device).wait_event(ready)
         # One cat and one scatter rather than a copy per chunk: per-layer host overhead is
         # what bounds the engine below 16K tokens (issue 9). Dispatch alone (tiny tensors,
         # one CPU thread, 2026-11-29): 8 (64) chunk copies 84 (514) us, cat + index_put
@@ -442,18 +443,15 @@ class BlendEngine:
         rows = self._request_rows(plan, want_logits, counters)
         check_layers = list(plan.check_layers)
         first_check, last_check = check_layers[0], max(check_layers)
-        pending: dict[int, Future] = {}
         ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=model.device)
         positions = torch.arange(num_tokens, device=model.device)
-        self._request_layer(rows, pending, first_check, first_check)
+        pending = self._start_fetch(rows, first_check)  # {layer: future}, every layer at once
         hidden, residual = model.embed(ids), None  # [T, E]
         active = positions  # [A] rows computed in this layer, ascending
         row_mask = None     # the final rows' attention mask (CUDA), built at the last check layer
         kv_layers: list[torch.Tensor] = []
         try:
             for layer_idx in range(self.spec.num_layers):
-                for ahead in range(1, PREFETCH_DEPTH + 1):
-                    self._request_layer(rows, pending, layer_idx + ahead, first_check)
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,
                                               positions if active is positions else positions[active])
                 counters.recomputed_tokens_per_layer.append(int(active.numel()))

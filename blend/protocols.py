@@ -5,9 +5,10 @@ Axis letters used in shapes throughout ``blend``::
     T  tokens of the prompt (or of one chunk)      H  KV heads        Hq  query heads
     D  head dim        E  hidden size              L  decoder layers  V   vocab size
 
-* :class:`KVSource` — where cached chunk KV comes from (the cluster client with a gpu tier in
-  front; an in-memory dict in tests). Reads are batch-first and per layer, and asynchronous
-  so the engine can ask for layer l+1 while it computes layer l.
+* :class:`KVSource` — where cached chunk KV comes from (the vLLM worker's source: its gpu tier
+  in front of the cluster client, staged through pinned memory on CUDA; an in-memory dict in
+  tests). Reads are batch-first and per layer; the engine asks for every layer it will need
+  at once, when a request starts, so the source can move them while the engine computes.
 * :class:`BlendModel` — the model, cut at the seams CacheBlend needs (per-layer qkv with
   RoPE, attention done by the engine, then the rest of the layer). Implemented by the
   HF-transformers adapter (:mod:`blend.adapters.hf`) and the vLLM adapter
@@ -24,7 +25,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from tiers.codec import LayerBatch
 from tiers.keys import ChunkKey
+
+__all__ = ["BlendModel", "ChunkMeta", "KVSink", "KVSource", "LayerBatch", "ModelSpec", "fetch_each"]
 
 if TYPE_CHECKING:
     import torch
@@ -45,22 +49,42 @@ class KVSource(Protocol):
     """Cached KV of chunks, per layer.
 
     Lifecycle (one request): ``lookup`` once with all segment keys (starts promotion /
-    prefetch of the hits), then ``fetch_layer`` for layer 0, 1, ... in order, typically
-    one layer ahead of compute.
+    prefetch of the hits), then ``fetch_layers`` once with every layer the request needs
+    (ascending); the engine takes the futures' results in that order, one per layer it
+    computes, so a source moves layer ``l+1`` while layer ``l`` is computed (CacheBlend,
+    Yao et al., EuroSys 2025, §5) with no per-layer call on the engine's thread. The engine
+    cancels the futures it no longer needs (a fallback, an abandoned request); a source
+    stops its work for them.
 
     Failure behaviour: never raises for cache faults. ``lookup`` reports a dead tier or shard
-    as a miss; a ``fetch_layer`` future resolves to ``None`` in the slot of a chunk that could
-    not be read (truncated, corrupted, shard died since lookup), and the caller recomputes.
+    as a miss; a future resolves to ``None`` in the slot of a chunk that could not be read
+    (truncated, corrupted, shard died since lookup), and the caller recomputes.
     """
 
     def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
         """Which keys are cached (one round trip for the batch). Starts prefetch of hits."""
         ...
 
-    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future[list[torch.Tensor | None]]:
-        """Layer ``layer_idx`` of each chunk, as ``[2, T_i, H, D]`` tensors (K then V,
-        K rotated at the chunk's stored positions) on the engine's device and KV dtype."""
+    def fetch_layers(self, keys: Sequence[ChunkKey],
+                     layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
+        """One future per entry of ``layer_idxs``: that layer of each chunk, as ``[2, T_i, H, D]``
+        tensors (K then V, K rotated at the chunk's stored positions) on the engine's device
+        and KV dtype, a plain list or a :class:`~tiers.codec.LayerBatch`.
+
+        Raises:
+            ValueError: a negative layer index (at the call, not through a future).
+        """
         ...
+
+
+def fetch_each(fetch_layer, keys: Sequence[ChunkKey],
+               layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
+    """``fetch_layers`` for a source that reads one layer per call: ``fetch_layer(keys, l)``
+    for every ``l`` now (a source with its own threads reads them in the background)."""
+    keys = list(keys)
+    if any(i < 0 for i in layer_idxs):
+        raise ValueError(f"layer_idxs {list(layer_idxs)} must be >= 0")
+    return [fetch_layer(keys, i) for i in layer_idxs]
 
 
 @runtime_checkable

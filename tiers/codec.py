@@ -19,6 +19,20 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
+class LayerBatch(list):
+    """One layer of a request's cached chunks: a list of ``[2, T_i, H, D]`` tensors (or None for a
+    chunk that could not be read), plus what a staging source knows about them.
+
+    Attributes:
+        ready: a ``torch.cuda.Event`` recorded after the host-to-device copy; the consumer's
+            stream waits on it (``Stream.wait_event``) before reading. None: usable now.
+
+    A plain ``list`` is a valid result of ``blend.protocols.KVSource.fetch_layers`` too.
+    """
+
+    ready: object | None = None
+
+
 def encode_kv(key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None,
               compress: bool = False) -> bytes:
     """Encode ``kv`` ``[L, 2, T, H, D]`` into a chunk object (see :mod:`tiers.format`)."""

@@ -42,16 +42,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from blend.protocols import ChunkMeta
+from blend.protocols import ChunkMeta, fetch_each
 from cluster.cache.connect import connect
+from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.placement import Placement
 from cluster.cache.puts import ShardWriter
 from cluster.cache.router import ShardRouter
-from cluster.cache.shard import make_shared_tiers
 from tiers.codec import encode_kv, layer_tensor
 from tiers.format import ChunkHeader, FormatError, decode_layer, parse_header
 from tiers.keys import ChunkKey
-from tiers.reader import read_header, read_layer
+from tiers.lower import shared_tiers
+from tiers.reader import read_header
+from tiers.stack import TierStack
 
 log = logging.getLogger("kvblend.client")
 
@@ -145,7 +147,11 @@ class CacheClient:
 
     def _shared_tiers(self) -> list:
         if self._shared is None:
-            self._shared = make_shared_tiers(self.config.tiers)
+            tiers = shared_tiers(self.config.tiers)
+            # _direct_layer reads through them as a stack: no promotion or writes between the
+            # shared tiers (a reader's copy of an S3 hit into Redis is its owner's job)
+            self._shared_stack = TierStack(tiers, write_down=(), promote=False) if tiers else None
+            self._shared = tiers
         return self._shared
 
     # -- KVSource ------------------------------------------------------------------------------
@@ -254,7 +260,28 @@ class CacheClient:
             self._count("layer_misses", len(keys))
             return [None] * len(keys)
 
-    def _fetch_unsafe(self, keys: list[ChunkKey], layer_idx: int) -> list[torch.Tensor | None]:
+    def fetch_layers(self, keys: Sequence[ChunkKey],
+                     layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
+        """:meth:`fetch_layer` of every layer now (read by the client's threads)."""
+        return fetch_each(self.fetch_layer, keys, layer_idxs)
+
+    def host_layers(self) -> RayHostLayers:
+        """This client's layers as :class:`tiers.staging.StagedSource` reads them (pinned
+        staging on a CUDA worker)."""
+        return RayHostLayers(self)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (see :meth:`stats`)."""
+        self._count(name, n)
+
+    def shared_tiers(self) -> list:
+        """The Redis/S3 tiers read directly when an owner shard is dead (may be empty)."""
+        return self._shared_tiers()
+
+    def map_for_read(self, keys: list[ChunkKey]) -> tuple[list[_Entry | None], list[tuple | None]]:
+        """Look up unknown keys, then map the objects of ``keys`` (one ``get_refs`` call per
+        owning shard, one batched ``ray.get``): per key its entry (or None) and its mapped
+        ``(array, own header)`` (or None: a miss, or only a shared tier holds it)."""
         with self._lock:
             unknown = [k for k in keys if k not in self._meta]
         if unknown:
@@ -264,6 +291,10 @@ class CacheClient:
             arrays = [self._objects.get(k) for k in keys]
         self._request_refs(keys, entries, arrays)
         self._map_objects(keys, entries, arrays)
+        return entries, arrays
+
+    def _fetch_unsafe(self, keys: list[ChunkKey], layer_idx: int) -> list[torch.Tensor | None]:
+        entries, arrays = self.map_for_read(keys)
         # slice, check and copy each layer; shared tiers for the rest
         out: list[torch.Tensor | None] = []
         for k, e, a in zip(keys, entries, arrays, strict=True):
@@ -368,13 +399,16 @@ class CacheClient:
         return layer_tensor(raw, header.layer_shape, header.dtype).to(self.device)
 
     def _direct_layer(self, key: ChunkKey, header: ChunkHeader, layer_idx: int):
-        for tier in self._shared_tiers():
-            got = read_layer(tier, key, layer_idx)
-            if got is not None:
-                self._count("direct_reads")
-                h, raw = got
-                return layer_tensor(raw, h.layer_shape, h.dtype).to(self.device)
-        return None
+        """One layer from the first shared tier holding a valid copy (the stack validates it
+        and deletes a corrupt one; each tier's own header gives the offsets), or None."""
+        if not self._shared_tiers():
+            return None
+        raw = bytearray(header.layer_nbytes)  # raw layer bytes: the same in any encoding
+        h = self._shared_stack.read_layers(key, [layer_idx], [raw])
+        if h is None:
+            return None
+        self._count("direct_reads")
+        return layer_tensor(raw, h.layer_shape, h.dtype).to(self.device)
 
     # -- KVSink ----------------------------------------------------------------------------------
     def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:

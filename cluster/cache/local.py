@@ -22,8 +22,10 @@ import torch
 from blend.protocols import ChunkMeta
 from tiers.codec import encode_kv, layer_tensor
 from tiers.format import HEADER_PROBE_BYTES, FormatError, decode_layer, parse_header
+from tiers.host import HostTier
 from tiers.keys import ChunkKey
-from tiers.tier import MemoryTier, Tier
+from tiers.staging import TierLayers
+from tiers.tier import Tier
 
 
 def local_client(config, device: str | torch.device = "cpu") -> LocalCacheClient:
@@ -49,7 +51,7 @@ class LocalCacheClient:
     :class:`~cluster.cache.protocol.CacheClientProtocol`).
 
     Args:
-        tier: any :class:`~tiers.tier.Tier` (default: a 1 GiB :class:`MemoryTier`); the client
+        tier: any :class:`~tiers.tier.Tier` (default: a 1 GiB :class:`~tiers.host.HostTier`); the client
             owns it from now on (:meth:`close` closes it).
         device: device of tensors returned by ``fetch_layer``.
         compress: store objects with lz4-compressed layers.
@@ -57,7 +59,7 @@ class LocalCacheClient:
 
     def __init__(self, tier: Tier | None = None, device: str | torch.device = "cpu",
                  compress: bool = False) -> None:
-        self.tier = tier if tier is not None else MemoryTier(1 << 30, name="host")
+        self.tier = tier if tier is not None else HostTier(1 << 30)
         self.device = torch.device(device)
         self.compress = compress
         self._lock = threading.Lock()
@@ -129,6 +131,25 @@ class LocalCacheClient:
         fut.set_result([self.read_layer(k, layer_idx) for k in keys])
         return fut
 
+    def fetch_layers(self, keys: Sequence[ChunkKey],
+                     layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
+        """:meth:`read_layer` of each key for each layer, as futures that read when their
+        result is first asked for, in the asking thread (no threads here; layers never asked
+        for are never read: a blend that falls back stops reading).
+
+        Raises:
+            ValueError: a negative layer index.
+        """
+        keys = list(keys)
+        if any(i < 0 for i in layer_idxs):
+            raise ValueError(f"layer_idxs {list(layer_idxs)} must be >= 0")
+        return [_Deferred(lambda i=i: [self.read_layer(k, i) for k in keys]) for i in layer_idxs]
+
+    def host_layers(self) -> TierLayers:
+        """Where :class:`tiers.staging.StagedSource` copies this client's layers from (the
+        tier itself; checksums as :class:`tiers.staging.TierLayers` says)."""
+        return TierLayers(self.tier)
+
     def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:
         """Encode ``kv`` ``[L, 2, T, H, D]`` and put it into the tier (first object wins);
         raises ``TypeError``/``ValueError`` as the protocol says."""
@@ -165,6 +186,24 @@ class LocalCacheClient:
         closer = getattr(self.tier, "close", None)
         if closer is not None:
             closer()
+
+
+class _Deferred(Future):
+    """A future whose work runs in the first thread that asks for its result."""
+
+    def __init__(self, work) -> None:
+        super().__init__()
+        self._work = work
+        self._run_lock = threading.RLock()  # done callbacks may ask again
+
+    def result(self, timeout: float | None = None):
+        with self._run_lock:
+            if not self.done() and self.set_running_or_notify_cancel():
+                try:
+                    self.set_result(self._work())
+                except BaseException as e:  # noqa: BLE001 - delivered through the future
+                    self.set_exception(e)
+        return super().result(timeout)
 
 
 def _check_key(call: str, key: object) -> None:

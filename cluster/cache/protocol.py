@@ -8,7 +8,10 @@ ingest, the connector's store path and the benchmarks use. Who calls what::
 
     scheduler side    lookup(keys)               one round trip for the batch; starts
                                                  promoting the hits into host memory
-    worker side       fetch_layer(keys, l)       l = 0, 1, ... one layer ahead of compute
+    worker side       fetch_layers(keys, ls)     every layer a blend needs, at its start
+                      fetch_layer(keys, l)       one layer (tools, tests)
+                      host_layers()              the bytes a CUDA worker stages through
+                                                 pinned memory (tiers.staging)
     after a request   contains(keys)             which segments still need storing
                       put(key, kv, positions)    asynchronous, idempotent
                       flush(timeout_s)           before the process reports the stores done
@@ -39,6 +42,8 @@ from tiers.keys import ChunkKey
 
 if TYPE_CHECKING:
     import torch
+
+    from tiers.staging import HostLayers
 
 
 @runtime_checkable
@@ -71,6 +76,11 @@ class CacheClientProtocol(KVSource, KVSink, Protocol):
         Raises:
             ValueError: ``layer_idx < 0`` (at the call, not through the future).
         """
+        ...
+
+    def host_layers(self) -> HostLayers:
+        """This client's chunk layers as host bytes, for :class:`tiers.staging.StagedSource`
+        (the CUDA worker's source copies them into pinned memory, then onto the GPU)."""
         ...
 
     def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:

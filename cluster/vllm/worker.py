@@ -98,14 +98,14 @@ class KVBlendWorker:
                 from blend.adapters.vllm import VLLMModelAdapter
                 from blend.engine import BlendEngine
                 from cluster.vllm.model_hook import current_model
-                from cluster.vllm.worker_source import WorkerKVSource
-                from tiers.gpu import GpuTier
+                from cluster.vllm.worker_source import build_worker_source
 
                 adapter = VLLMModelAdapter(current_model(), model_id=self.model_id)
-                gib = self.config.tiers.gpu_size_gib
-                gpu = GpuTier(int(gib * 2**30), device=adapter.device) if gib > 0 else None
-                self._source = WorkerKVSource(self.client, gpu, adapter.spec.num_layers)
-                self._engine = BlendEngine(adapter, self._source, fetch_thread_initializer=unpin_thread)
+                self._source = build_worker_source(
+                    self.client, adapter.device, adapter.spec.num_layers,
+                    gpu_bytes=int(self.config.tiers.gpu_size_gib * 2**30),
+                    policy=self.config.tiers.eviction_policy)
+                self._engine = BlendEngine(adapter, self._source)
             return self._engine
 
     def _canonical_kv(self, ids: list[int]) -> torch.Tensor:

@@ -1,85 +1,174 @@
 """The vLLM worker's KV source: its gpu tier of hot chunks in front of the cluster client.
 
-The blend engine reads cached chunks layer by layer (:class:`blend.protocols.KVSource`). In a
-worker, :class:`WorkerKVSource` answers a layer from the worker's own
-:class:`tiers.gpu.GpuTier` (decoded ``[2, T, H, D]`` tensors on the model's device — host
-memory on the CPU backend) when the chunk is there, and from the cluster client otherwise.
-Chunks read through the client are collected layer by layer and, once every layer has
-passed, put into the gpu tier, so the next request on this worker that uses them reads no
-byte from a shard. Canonical KV the worker computes for storing goes in too
-(:meth:`WorkerKVSource.remember`).
+The blend engine asks for every cached layer of a request at once
+(:meth:`blend.protocols.KVSource.fetch_layers`). In a worker, :class:`WorkerKVSource`
+answers a chunk from the worker's own :class:`tiers.gpu.GpuTier` (decoded ``[2, T, H, D]``
+tensors on the model's device; host memory on the CPU backend) when it is there, and from
+the cluster client's bytes otherwise:
 
-Sized by ``gpu_size_gib`` (0 = no gpu tier: every layer comes from the client). Faults: a
-gpu-tier miss falls through to the client; a client fault is the client's ``None``.
+* on a CUDA device through :class:`tiers.staging.StagedSource` over the client's
+  ``host_layers()``: each layer's chunks are copied into pinned memory by io threads and
+  moved by one host-to-device copy on a side stream, whose event the engine's stream waits
+  on (transfer overlaps recompute; CacheBlend, Yao et al., EuroSys 2025, §5);
+* on the CPU straight from the client (``fetch_layers``: no copy engine to overlap with).
+
+:func:`build_worker_source` is the one place that composes it: the vLLM worker and
+``kvblend bench gpu`` both call it. Chunks read through the client are collected layer by
+layer and, once every layer has passed, put into the gpu tier, so the next request on this
+worker that uses them reads no byte from a shard. Canonical KV the worker computes for storing
+goes in too (:meth:`WorkerKVSource.remember`).
+
+Sized by ``gpu_size_gib`` (0 = no gpu tier). Faults: a gpu-tier miss falls through to the
+client; a client fault is the client's ``None``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
 
+from blend.protocols import ChunkMeta
+from tiers.codec import LayerBatch
 from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
+from tiers.staging import StagedSource
+
+log = logging.getLogger("kvblend.connector")
+
+#: chunks collected layer by layer for the gpu tier at most (requests that stopped early)
+MAX_PARTIAL_CHUNKS = 4096
+
+
+def build_worker_source(client, device: str | torch.device, num_layers: int, *,
+                        gpu_bytes: int = 0, policy: str = "lru") -> WorkerKVSource:
+    """The worker's KV source over ``client`` (see the module docstring).
+
+    Args:
+        client: a :class:`cluster.cache.protocol.CacheClientProtocol` (Ray or machine-local).
+        device: the model's device; CUDA stages through pinned memory, anything else reads
+            the client directly.
+        num_layers: layers per chunk (a chunk enters the gpu tier after its last layer).
+        gpu_bytes: capacity of the worker's gpu tier (0: none).
+        policy: the gpu tier's eviction policy (``lru``/``lfu``).
+    """
+    device = torch.device(device)
+    gpu = GpuTier(gpu_bytes, device=device, policy=policy) if gpu_bytes > 0 else None
+    reader = StagedSource(client.host_layers(), device) if device.type == "cuda" else client
+    return WorkerKVSource(client, gpu, num_layers, reader=reader)
+
+
+class _After(Future):
+    """The merged result of a reader future (set by its done callback): asking for it asks
+    the reader's future first (a machine-local client reads when asked), cancelling it
+    cancels the read."""
+
+    def __init__(self, inner: Future) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def result(self, timeout: float | None = None):
+        try:  # always: a staging source notes that its consumer took the layer
+            self._inner.result(timeout)
+        except Exception:  # noqa: BLE001 - a reader fault is a miss: the callback says so
+            pass
+        return super().result(timeout)
+
+    def cancel(self) -> bool:
+        self._inner.cancel()
+        return super().cancel()
 
 
 class WorkerKVSource:
     """:class:`blend.protocols.KVSource` over ``gpu`` (may be None) and ``client``.
 
     Args:
-        client: the cluster client (``lookup``, ``fetch_layer``).
+        client: the cluster client (``lookup``; ``fetch_layers`` unless ``reader`` is given).
         gpu: the worker's gpu tier, or None.
         num_layers: layers per chunk (a chunk enters the gpu tier after its last layer).
+        reader: where layers missing from the gpu tier are read (``fetch_layers``; default
+            the client; :func:`build_worker_source` passes a staging source on CUDA).
     """
 
-    def __init__(self, client, gpu: GpuTier | None, num_layers: int) -> None:
+    def __init__(self, client, gpu: GpuTier | None, num_layers: int, reader=None) -> None:
         self.client = client
         self.gpu = gpu
         self.num_layers = num_layers
+        self.reader = reader if reader is not None else client
         self._partial: dict[ChunkKey, list[torch.Tensor | None]] = {}
         self._lock = threading.Lock()
 
-    def lookup(self, keys: Sequence[ChunkKey]):
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
         return self.client.lookup(keys)
 
     def gpu_hits(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys`` the gpu tier holds now."""
         return sum(self.gpu.contains(list(keys))) if self.gpu is not None and keys else 0
 
-    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future:
-        """Layer ``layer_idx`` of each chunk: ``[2, T_i, H, D]`` or None (see the protocol)."""
-        keys = list(keys)
-        local = [self.gpu.get_layer(k, layer_idx) if self.gpu is not None else None for k in keys]
-        missing = [i for i, t in enumerate(local) if t is None]
-        out: Future = Future()
-        if not missing:
-            out.set_result(local)
-            return out
-        inner = self.client.fetch_layer([keys[i] for i in missing], layer_idx)
+    def fetch_layers(self, keys: Sequence[ChunkKey], layer_idxs: Sequence[int]) -> list[Future]:
+        """Each layer of each chunk, ``[2, T_i, H, D]`` or None (see the protocol): gpu-tier
+        chunks at once, the others through ``reader`` (one call for every layer).
 
-        def done(fut: Future) -> None:
-            try:
-                got = list(fut.result())
-            except Exception:  # noqa: BLE001 - a client fault is a miss
-                got = [None] * len(missing)
-            result = list(local)
-            for i, t in zip(missing, got, strict=True):
-                result[i] = t
-                if t is not None and self.gpu is not None:
-                    self._collect(keys[i], layer_idx, t)
+        Raises:
+            ValueError: a negative layer index.
+        """
+        keys, layer_idxs = list(keys), list(layer_idxs)
+        if any(i < 0 for i in layer_idxs):
+            raise ValueError(f"layer_idxs {layer_idxs} must be >= 0")
+        held = self.gpu.contains(keys) if self.gpu is not None else [False] * len(keys)
+        missing = [i for i, h in enumerate(held) if not h]
+        inner = self.reader.fetch_layers([keys[i] for i in missing], layer_idxs) if missing else []
+        outs: list[Future] = []
+        for n, layer_idx in enumerate(layer_idxs):
+            local = [self.gpu.get_layer(k, layer_idx) if h else None for k, h in zip(keys, held, strict=True)]
+            if not missing:
+                out: Future = Future()
+                out.set_result(local)
+                outs.append(out)
+                continue
+            out = _After(inner[n])
+            outs.append(out)
+            inner[n].add_done_callback(
+                lambda fut, out=out, local=local, layer_idx=layer_idx: self._merge(
+                    fut, out, local, keys, missing, layer_idx))
+        return outs
+
+    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future:
+        """One layer (see :meth:`fetch_layers`)."""
+        return self.fetch_layers(keys, [layer_idx])[0]
+
+    def _merge(self, fut: Future, out: Future, local: list, keys: list[ChunkKey], missing: list[int],
+               layer_idx: int) -> None:
+        """Done callback of a reader future: gpu-tier and read chunks in one list."""
+        if out.cancelled():
+            return
+        try:
+            got = list(fut.result())
+            ready = getattr(fut.result(), "ready", None)
+        except Exception:  # noqa: BLE001 - a reader fault (or a cancelled read) is a miss
+            got, ready = [None] * len(missing), None
+        result = LayerBatch(local)
+        result.ready = ready
+        for i, t in zip(missing, got, strict=True):
+            result[i] = t
+            if t is not None and self.gpu is not None:
+                self._collect(keys[i], layer_idx, t, ready)
+        if out.set_running_or_notify_cancel():
             out.set_result(result)
 
-        inner.add_done_callback(done)
-        return out
-
-    def _collect(self, key: ChunkKey, layer_idx: int, kv: torch.Tensor) -> None:
+    def _collect(self, key: ChunkKey, layer_idx: int, kv: torch.Tensor, ready) -> None:
+        if ready is not None:  # the gpu tier copies on this thread's stream: after the layer lands
+            torch.cuda.current_stream(kv.device).wait_event(ready)
         with self._lock:
             layers = self._partial.setdefault(key, [None] * self.num_layers)
+            if layer_idx >= len(layers):
+                return
             layers[layer_idx] = kv
             if any(t is None for t in layers):
-                if len(self._partial) > 4096:  # requests that stopped early: forget the oldest
+                if len(self._partial) > MAX_PARTIAL_CHUNKS:  # forget the oldest
                     self._partial.pop(next(iter(self._partial)))
                 return
             del self._partial[key]
@@ -89,3 +178,8 @@ class WorkerKVSource:
         """Put a chunk the worker computed (``[L, 2, T, H, D]``) into the gpu tier."""
         if self.gpu is not None:
             self.gpu.put(key, kv)
+
+    def close(self) -> None:
+        """Stop the staging threads (when this source staged); the client is the caller's."""
+        if self.reader is not self.client:
+            self.reader.close()

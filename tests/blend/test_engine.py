@@ -243,32 +243,41 @@ def test_query_left_to_the_serving_engine(make_setup):
         assert_close(got, want, **F32_TOL)
 
 
-def test_layer_l_plus_1_is_requested_before_layer_l_is_computed(make_setup):
-    """§5 pipelining: while layer l is computed the source is already reading layer l+1.
-    The wrapped model's qkv(l) waits until fetch_layer(l+1) has been called; an engine that
-    fetched on demand would time out here."""
-    import threading
+def test_every_cached_layer_is_requested_once_before_the_check_layer_is_computed(make_setup):
+    """§5 pipelining: the engine asks its source for every layer from the first check layer
+    up in one ``fetch_layers`` call, before it computes the check layer, and takes each
+    layer's result only when it reaches that layer. The wrapped model records, at each
+    ``qkv(l)``, which layers' results had been taken; the source records its calls."""
+    from concurrent.futures import Future
 
     engine, client, chunks = _setup(make_setup)
-    called = {i: threading.Event() for i in range(engine.spec.num_layers + 2)}
+    calls, taken = [], []
+
+    class Tracked(Future):
+        def __init__(self, inner, layer_idx):
+            super().__init__()
+            self.inner, self.layer_idx = inner, layer_idx
+
+        def result(self, timeout=None):
+            taken.append(self.layer_idx)
+            return self.inner.result(timeout)
 
     class Source:
         def lookup(self, keys):
             return client.lookup(keys)
 
-        def fetch_layer(self, keys, layer_idx):
-            called[layer_idx].set()
-            return client.fetch_layer(keys, layer_idx)
+        def fetch_layers(self, keys, layer_idxs):
+            calls.append(list(layer_idxs))
+            return [Tracked(f, i) for f, i in zip(client.fetch_layers(keys, layer_idxs), layer_idxs, strict=True)]
 
     class Model:
         def __init__(self, inner):
             self.inner, self.spec, self.scale = inner, inner.spec, inner.scale
             self.device, self.dtype = inner.device, inner.dtype
-            self.waited = []
+            self.seen = {}
 
         def qkv(self, layer_idx, *a):
-            if 1 <= layer_idx < self.spec.num_layers - 1:
-                self.waited.append(called[layer_idx + 1].wait(timeout=10))
+            self.seen[layer_idx] = (len(calls), list(taken))
             return self.inner.qkv(layer_idx, *a)
 
         def __getattr__(self, name):
@@ -280,10 +289,13 @@ def test_layer_l_plus_1_is_requested_before_layer_l_is_computed(make_setup):
     pipelined = BlendEngine(model, Source())
     ids, spans = blend_prompt([1, 2], chunks, [4, 5])
     res = pipelined.blend(plan_for(ids, spans, client, ratio=0.15))
-    pipelined.close()
-    assert model.waited and all(model.waited)
+    num_layers = engine.spec.num_layers
+    assert calls == [list(range(1, num_layers))]  # check layer 1: layer 0 never touches the cache
+    assert model.seen[1] == (1, [])                # asked before the check layer, nothing taken yet
+    for layer in range(2, num_layers):             # layer l's result taken only when l is reached
+        assert model.seen[layer] == (1, list(range(1, layer)))
+    assert taken == list(range(1, num_layers))
     assert_close(res.logits, engine.blend(plan_for(ids, spans, client, ratio=0.15)).logits, rtol=0, atol=0)
-    assert not called[0].is_set()  # layers below the check layer never touch the cache
 
 
 def _step_all(steps, between=None):

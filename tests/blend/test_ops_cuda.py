@@ -1,5 +1,6 @@
 """CUDA: FlexAttention against the dense float64 reference, blend through ops at ratio 1.0 =
-full prefill, and the staged host→GPU pipeline (bit-exact, and correct under a slow source).
+full prefill over the staged host→GPU pipeline. The vLLM worker's source (gpu, host and disk
+tiers; the compute stream waiting on a slow copy): ``tests/cluster/vllm/test_worker_source_cuda.py``.
 The kernels alone: ``tests/blend/kernels/test_kernels_cuda.py``. Skipped without a GPU.
 
 Tolerances: bf16 operands give ‖out − ref‖/‖ref‖ between 1e-3 and 1e-2 against float64
@@ -8,8 +9,6 @@ Tolerances: bf16 operands give ‖out − ref‖/‖ref‖ between 1e-3 and 1e-2
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -92,41 +91,3 @@ def test_blend_through_ops_ratio_one_is_full_prefill(monkeypatch):
         torch.testing.assert_close(part.kv[layer], full.kv[layer], **F32_TOL)
     assert src.transfer_stats().num_bytes > 0
     src.close()
-
-
-class SlowTier:
-    """A byte tier that answers each range read after ``delay_s`` (fault injection)."""
-
-    def __init__(self, tier, delay_s: float) -> None:
-        self.tier, self.delay_s, self.name = tier, delay_s, "slow-host"
-
-    def get_ranges(self, key, ranges):
-        time.sleep(self.delay_s)
-        return self.tier.get_ranges(key, ranges)
-
-    def __getattr__(self, name):
-        if name == "get_ranges_into":
-            raise AttributeError(name)
-        return getattr(self.tier, name)
-
-
-def test_staged_pipeline_is_exact_and_correct_under_a_slow_source(monkeypatch):
-    adapter, chunks, host, gpu = _setup()
-    monkeypatch.setattr(engine_module, "causal_attention", ops.causal_attention)
-    plan = all_hit_plan(chunks, 0.15)
-    keys = [s.key for s in plan.hit_segments]
-    fast, slow = StagedSource(gpu, CUDA), StagedSource(SlowTier(host, 0.02), CUDA, read_ahead=2)
-    for layer in range(4):  # bytes: bit-exact against the gpu tier
-        a, b = fast.fetch_layer(keys, layer).result(), slow.fetch_layer(keys, layer).result()
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
-    want = BlendEngine(adapter, fast).blend(plan)
-    # compute keeps running while the slow copies land; results are identical
-    got = BlendEngine(adapter, slow).blend(plan)
-    assert got.counters.full_prefill_reason is None
-    assert torch.equal(got.recompute_idx, want.recompute_idx)
-    torch.testing.assert_close(got.logits, want.logits, **F32_TOL)
-    stats = slow.transfer_stats()
-    assert stats.num_copies >= 3 and stats.gbps > 0
-    slow.close()
-
-

@@ -109,7 +109,7 @@ def test_planner_lookup_is_one_batch_and_keys_are_canonical(tokenizer):
             self.calls.append(list(keys))
             return [None] * len(keys)
 
-        def fetch_layer(self, keys, layer_idx):
+        def fetch_layers(self, keys, layer_idxs):
             raise AssertionError("not reached")
 
     src = Source()

@@ -75,6 +75,11 @@ class _FailOnRank:
     def lookup(self, keys):
         return self.inner.lookup(keys)
 
+    def fetch_layers(self, keys, layer_idxs):
+        from blend.protocols import fetch_each
+
+        return fetch_each(self.fetch_layer, keys, layer_idxs)
+
     def fetch_layer(self, keys, layer_idx):
         if self.fail and layer_idx == self.layer_idx:
             from concurrent.futures import Future

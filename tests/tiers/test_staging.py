@@ -1,6 +1,7 @@
-"""StagedSource (tiers.staging) on the CPU: bit-exact round trips from every tier, corrupt or
-missing chunks and layers as misses, a header gone stale, lz4 layers decoded. The staged
-pipeline under the blend engine, on CUDA: ``tests/blend/test_ops_cuda.py``."""
+"""StagedSource (tiers.staging) on the CPU: bit-exact round trips from every byte tier, corrupt
+or missing chunks and layers as misses, an object re-encoded between requests, lz4 layers
+decoded, every layer of a request from one ``fetch_layers`` call. The staged pipeline under
+the blend engine, on CUDA: ``tests/blend/test_ops_cuda.py``."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import torch
 
 from tests.factories import NAMESPACE, make_object
 from tiers.disk import DiskTier
-from tiers.gpu import GpuTier
 from tiers.host import HostTier
 from tiers.keys import segment_key
-from tiers.staging import StagedSource
+from tiers.staging import StagedSource, TierLayers
 from tiers.tier import MemoryTier
 
 
@@ -26,18 +26,23 @@ def _objects(num_chunks=3, num_layers=3, dtype=torch.bfloat16):
 
 def test_staged_source_round_trips_every_tier_bit_exact(tmp_path):
     chunks = _objects()
-    host, disk, gpu, mem = HostTier(1 << 26), DiskTier(str(tmp_path), 1 << 26, fsync=False), GpuTier(1 << 26), MemoryTier(1 << 26)
+    host, disk, mem = HostTier(1 << 26), DiskTier(str(tmp_path), 1 << 26, fsync=False), MemoryTier(1 << 26)
     for key, kv in chunks.items():
         obj = make_object(key, kv)
-        host.put(key, obj), disk.put(key, obj), mem.put(key, obj), gpu.put(key, kv)
+        host.put(key, obj), disk.put(key, obj), mem.put(key, obj)
     keys = list(chunks)
-    for tier in (host, disk, mem, gpu):
+    for tier in (host, disk, mem):
         src = StagedSource(tier, "cpu", read_ahead=1)
         metas = src.lookup(keys)
         assert [m.num_tokens for m in metas] == [5, 6, 7] and metas[0].positions == tuple(range(5))
         assert metas[0].tier == tier.name
         for layer in range(3):
             got = src.fetch_layer(keys, layer).result()
+            assert all(torch.equal(x, chunks[key][layer]) for x, key in zip(got, keys, strict=False)), tier.name
+        # one call for every layer (what the blend engine makes), in the order asked
+        futs = src.fetch_layers(keys, [2, 0, 1])
+        for layer, fut in zip([2, 0, 1], futs, strict=True):
+            got = fut.result(timeout=30)
             assert all(torch.equal(x, chunks[key][layer]) for x, key in zip(got, keys, strict=False)), tier.name
         src.close()
 
@@ -52,7 +57,7 @@ def test_staged_source_corrupt_or_missing_is_none(tmp_path):
             obj[-3] ^= 0xFF  # flip a byte in the last layer's payload
         host.put(key, bytes(obj))
     missing = segment_key(NAMESPACE, [999])
-    src = StagedSource(host, "cpu")
+    src = StagedSource(TierLayers(host), "cpu")
     assert src.lookup(keys + [missing])[-1] is None
     got = src.fetch_layer(keys + [missing], 2).result()
     assert got[1] is None and got[3] is None
@@ -63,10 +68,9 @@ def test_staged_source_corrupt_or_missing_is_none(tmp_path):
     src.close()
 
 
-def test_staged_source_drops_a_header_that_went_stale(tmp_path):
-    """The object under a key is re-encoded (raw -> lz4: other offsets and checksums) after
-    its header was cached: that read is a miss, the header is dropped, and the next reads are
-    bit-exact again (the stale header does not stick)."""
+def test_staged_source_reads_an_object_re_encoded_between_requests(tmp_path):
+    """The object under a key is re-encoded (raw -> lz4: other offsets and checksums) between
+    two requests: headers are read once per request, so the next request is bit-exact."""
     g = torch.Generator().manual_seed(3)
     key = segment_key(NAMESPACE, [7, 8])
     kv = torch.randint(-2, 3, (3, 2, 64, 2, 8), generator=g).to(torch.bfloat16)  # lz4 shrinks it
@@ -77,9 +81,9 @@ def test_staged_source_drops_a_header_that_went_stale(tmp_path):
     assert torch.equal(src.fetch_layer([key], 0).result()[0], kv[0])
     disk.delete([key])
     disk.put(key, make_object(key, kv, compress=True))
-    assert src.fetch_layer([key], 1).result()[0] is None   # read with the cached raw header
-    for layer in (2, 0, 1):
-        assert torch.equal(src.fetch_layer([key], layer).result()[0], kv[layer]), layer
+    for layer, fut in zip((2, 0, 1), src.fetch_layers([key], [2, 0, 1]), strict=True):
+        assert torch.equal(fut.result(timeout=30)[0], kv[layer]), layer
+    assert src.read_counters.snapshot()["corrupt"] == 0
     src.close()
 
 
@@ -101,3 +105,61 @@ def test_staged_source_decodes_lz4_layers(tmp_path):
             assert torch.equal(src.fetch_layer([key], layer).result()[0], kv[layer])
         assert src.read_counters.snapshot() == {"hits": 2, "misses": 0, "corrupt": 0}
         src.close()
+
+
+def test_staging_stays_a_bounded_number_of_layers_ahead_of_the_consumer(tmp_path):
+    """Every queue has a bound: with ``max_ahead=2`` the staging thread delivers at most two
+    layers beyond the last one taken; cancelling the rest releases it at once (no wait for
+    the take timeout); a consumer that stops asking gets misses after ``take_timeout_s``."""
+    import time
+
+    chunks = _objects(num_layers=6)
+    host = HostTier(1 << 26)
+    for key, kv in chunks.items():
+        host.put(key, make_object(key, kv))
+    keys = list(chunks)
+    src = StagedSource(host, "cpu", max_ahead=2, take_timeout_s=1.0)
+    futs = src.fetch_layers(keys, range(6))
+    time.sleep(0.3)
+    assert [f.done() for f in futs] == [True, True, False, False, False, False]
+    assert torch.equal(futs[0].result(timeout=5)[0], chunks[keys[0]][0])
+    futs[1].result(timeout=5)  # layers 0 and 1 taken: 2 and 3 may be delivered
+    assert torch.equal(futs[3].result(timeout=5)[1], chunks[keys[1]][3])
+    assert futs[2].done() and not futs[4].done()
+    t0 = time.monotonic()
+    for f in futs[4:]:
+        f.cancel()
+    again = src.fetch_layers(keys, [5])  # the next request is not stuck behind the last one
+    assert torch.equal(again[0].result(timeout=5)[2], chunks[keys[2]][5])
+    assert time.monotonic() - t0 < 1.0
+    stalled = src.fetch_layers(keys, range(4))  # nobody takes layer 0: 2 and 3 become misses
+    assert stalled[3].result(timeout=10) == [None] * 3
+    src.close()
+
+
+def test_a_chunk_used_again_is_read_from_pinned_memory_bit_exact():
+    """tiers.pinned: the first request stages through the slots and queues its chunks for
+    pinning; once pinned, the next request copies straight from pinned memory (no fill),
+    bit for bit; an LRU too small for every chunk keeps what fits and evicts the rest."""
+    chunks = _objects(num_layers=4)
+    host = HostTier(1 << 26)
+    for key, kv in chunks.items():
+        host.put(key, make_object(key, kv))
+    keys = list(chunks)
+    src = StagedSource(host, "cpu")
+    first = [f.result(timeout=30) for f in src.fetch_layers(keys, range(4))]
+    assert src.pinned.wait_idle(30) and src.pinned.stats()["num_chunks"] == 3
+    before = src.transfer_stats().fill_bytes
+    second = [f.result(timeout=30) for f in src.fetch_layers(keys, range(4))]
+    assert src.transfer_stats().fill_bytes == before  # no slot was filled: read from pinned memory
+    for layer in range(4):
+        for key, a, b in zip(keys, first[layer], second[layer], strict=True):
+            assert torch.equal(a, chunks[key][layer]) and torch.equal(b, chunks[key][layer])
+    src.close()
+    one = max(kv.numel() * kv.element_size() for kv in chunks.values())  # the largest chunk
+    small = StagedSource(host, "cpu", pinned_bytes=one + 1)
+    [f.result(timeout=30) for f in small.fetch_layers(keys, range(4))]
+    assert small.pinned.wait_idle(30)
+    stats = small.pinned.stats()
+    assert stats["num_chunks"] == 1 and stats["evicted"] == 2 and stats["bytes_used"] <= one + 1
+    small.close()

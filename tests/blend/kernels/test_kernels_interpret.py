@@ -25,7 +25,8 @@ def test_triton_is_installed():
 
 
 def test_kernels_match_references_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(ROOT / "tests" / "blend" / "kernels" / "interp_cases.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

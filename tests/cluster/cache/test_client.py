@@ -114,3 +114,30 @@ def test_ray_client_is_a_cache_client_and_runs_its_thread_initializer(kvconfig, 
         assert started and all(name.startswith("kvblend-client") for name in started)
     finally:
         c.close()
+
+
+def test_host_layers_stage_the_mapped_objects_bit_exact(client):
+    """What a CUDA worker stages from (``host_layers()``, through tiers.staging.StagedSource;
+    here on the CPU): zero-copy views of the mapped objects, every layer of a request from
+    one ``fetch_layers`` call, bit for bit; a key nobody holds is None in its slot."""
+    from tiers.staging import StagedSource
+
+    keys = [make_key(700 + i) for i in range(5)]
+    kvs = [shard_kv(i, num_tokens=6 + i) for i in range(5)]
+    for k, kv in zip(keys, kvs, strict=True):
+        client.put(k, kv)
+    assert client.flush(30)
+    layers = client.host_layers()
+    headers = layers.headers(keys)
+    assert all(h is not None for h in headers)
+    assert all(layers.layer_views(k, h) is not None for k, h in zip(keys, headers, strict=True))
+    src = StagedSource(layers, "cpu")
+    try:
+        wanted = keys + [make_key(799)]
+        for layer, fut in enumerate(src.fetch_layers(wanted, range(4))):
+            got = fut.result(60)
+            assert got[-1] is None
+            for kv, t in zip(kvs, got, strict=False):
+                assert torch.equal(t, kv[layer])
+    finally:
+        src.close()

@@ -17,7 +17,7 @@ from cluster.cache.local import LocalCacheClient
 from cluster.cache.protocol import CacheClientProtocol
 from tests.factories import make_key, make_object, shard_kv
 
-CONTRACT = {"lookup", "fetch_layer", "put", "flush", "contains", "delete", "stats", "close"}
+CONTRACT = {"lookup", "fetch_layers", "fetch_layer", "host_layers", "put", "flush", "contains", "delete", "stats", "close"}
 
 
 def _protocol_members(proto: type) -> set[str]:

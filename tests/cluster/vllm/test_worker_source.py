@@ -6,7 +6,9 @@ from concurrent.futures import Future
 
 import torch
 
-from cluster.vllm.worker_source import WorkerKVSource
+from blend.protocols import KVSource, fetch_each
+from cluster.cache.local import LocalCacheClient
+from cluster.vllm.worker_source import WorkerKVSource, build_worker_source
 from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
 
@@ -20,6 +22,9 @@ class _Client:
 
     def lookup(self, keys):
         return [None for _ in keys]
+
+    def fetch_layers(self, keys, layer_idxs):
+        return fetch_each(self.fetch_layer, keys, layer_idxs)
 
     def fetch_layer(self, keys, layer_idx):
         self.reads.append((tuple(keys), layer_idx))
@@ -58,3 +63,23 @@ def test_no_gpu_tier_reads_every_layer_from_the_client():
     assert len(client.reads) == 2 * L and src.gpu_hits([_key(0)]) == 0
     src.remember(_key(0), chunks[_key(0)])  # no gpu tier: nothing kept, no error
     assert src.gpu_hits([_key(0)]) == 0
+
+
+def test_built_source_on_cpu_reads_the_client_and_keeps_what_it_read():
+    """build_worker_source (the worker's and bench gpu's one builder): on the CPU it reads the
+    client directly (no staging), every layer of a request from one fetch_layers call, bit
+    for bit; a chunk whose every layer passed lands in the gpu tier."""
+    client = LocalCacheClient()
+    chunks = {_key(i): torch.randn(L, 2, T, H, D) for i in range(2)}
+    for k, kv in chunks.items():
+        client.put(k, kv)
+    src = build_worker_source(client, "cpu", L, gpu_bytes=1 << 20)
+    assert isinstance(src, KVSource) and src.reader is client
+    keys = [_key(0), _key(1), _key(9)]
+    futs = src.fetch_layers(keys, range(L))
+    for layer, fut in enumerate(futs):
+        got = fut.result(timeout=30)
+        assert torch.equal(got[0], chunks[_key(0)][layer]) and torch.equal(got[1], chunks[_key(1)][layer])
+        assert got[2] is None
+    assert src.gpu_hits(keys) == 2
+    assert build_worker_source(client, "cpu", L).gpu is None  # gpu_bytes 0: no gpu tier

@@ -1,0 +1,112 @@
+"""The Ray client's chunk layers in host memory, for the GPU worker's staging pipeline.
+
+:class:`tiers.staging.StagedSource` copies layers from a :class:`tiers.staging.HostLayers`
+into pinned memory and then onto the GPU. :class:`RayHostLayers` is that reader over a
+:class:`~cluster.cache.client.CacheClient`: ``headers`` (once per request, on the staging
+thread) maps the request's objects from the node's object store exactly as ``fetch_layer``
+does (one ``get_refs`` call per owning shard, one batched ``ray.get``, zero-copy on the same
+node) and ``layer_views`` hands the staging thread zero-copy views of a mapped object's raw layers (one
+multi-threaded copy per chunk and layer into the pinned slot, no Python per byte), and
+``layer_into`` decodes the rest (lz4 layers, chunks read from a shared tier).
+
+Checksums: a mapped object came from a shard's host memory, where it entered only after the
+shard checked every layer (``CacheShard.put`` and promotions validate the whole object), so
+raw layers are copied unchecked; lz4 layers are checked as they are decoded, and layers read
+from the shared tiers directly (owner dead) are checked by :func:`tiers.reader.read_layers`.
+Failure behaviour: a miss is False/None and the client's ``layer_misses`` counter, never an
+exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from tiers.format import CODEC_RAW, ChunkHeader, FormatError, decode_layer
+from tiers.keys import ChunkKey
+from tiers.reader import ReadCounters, read_layers
+
+log = logging.getLogger("kvblend.client")
+
+
+class RayHostLayers:
+    """:class:`tiers.staging.HostLayers` over a :class:`~cluster.cache.client.CacheClient`.
+
+    One request at a time (the staging thread's): ``headers`` replaces the set of objects
+    the following ``layer_into`` calls read from.
+    """
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.name = "ray"
+        self.counters = ReadCounters()
+        self._lock = threading.Lock()
+        self._mapped: dict[ChunkKey, np.ndarray | None] = {}
+
+    def headers(self, keys: Sequence[ChunkKey]) -> list[ChunkHeader | None]:
+        """Map the objects of ``keys`` (looked up first where unknown); each one's own header,
+        the looked-up header for a chunk only a shared tier holds, or None."""
+        client, keys = self.client, list(keys)
+        entries, arrays = client.map_for_read(keys)
+        out: list[ChunkHeader | None] = []
+        mapped: dict[ChunkKey, np.ndarray | None] = {}
+        for k, e, a in zip(keys, entries, arrays, strict=True):
+            if a is not None:
+                mapped[k] = a[0]
+                out.append(a[1])
+            elif e is not None and client.shared_tiers():
+                mapped[k] = None
+                out.append(e.header)
+            else:
+                out.append(None)
+        with self._lock:
+            self._mapped = mapped
+        return out
+
+    def layer_views(self, key: ChunkKey, header: ChunkHeader) -> list[np.ndarray] | None:
+        """Zero-copy views of a mapped object's raw layers (checked at the shard); None for an
+        object with lz4 layers or one read from a shared tier (``layer_into`` reads those)."""
+        with self._lock:
+            arr = self._mapped.get(key)
+        if arr is None or any(e.codec != CODEC_RAW for e in header.layers):
+            return None
+        views = [arr[e.offset:e.offset + e.stored_len] for e in header.layers]
+        if any(v.nbytes != e.stored_len for v, e in zip(views, header.layers, strict=True)):
+            return None
+        return views
+
+    def layer_into(self, key: ChunkKey, header: ChunkHeader, layer_idx: int, out: np.ndarray) -> bool:
+        with self._lock:
+            present = key in self._mapped
+            arr = self._mapped.get(key)
+        ok = False
+        try:
+            if not present or not 0 <= layer_idx < header.num_layers:
+                raise FormatError(f"layer {layer_idx} of {key} was not prepared")
+            if arr is not None:
+                e = header.layers[layer_idx]
+                payload = arr[e.offset:e.offset + e.stored_len]
+                if e.codec == CODEC_RAW:
+                    if payload.nbytes != e.stored_len or out.nbytes != e.stored_len:
+                        raise FormatError(f"layer {layer_idx}: {payload.nbytes} bytes, expected {e.stored_len}")
+                    np.copyto(out, payload)  # no GIL while copying; checked at the shard
+                else:
+                    decode_layer(header, layer_idx, payload, memoryview(out))
+                ok = True
+            else:
+                for tier in self.client.shared_tiers():
+                    if read_layers(tier, key, [layer_idx], [out], counters=self.counters) is not None:
+                        self.client.count("direct_reads")
+                        ok = True
+                        break
+        except (FormatError, ValueError) as err:
+            log.debug("layer %d of %s rejected: %s", layer_idx, key, err)
+            self.client.count("read_errors")
+        except Exception as err:  # noqa: BLE001 - a broken tier is a miss, never a failed request
+            log.warning("read of layer %d of %s failed (%s: %s)", layer_idx, key, type(err).__name__, err)
+        self.counters.add("hits" if ok else "misses")
+        self.client.count("layer_reads" if ok else "layer_misses")
+        return ok
