@@ -1,7 +1,7 @@
 """The harness of ``kvblend bench gpu`` (:mod:`cluster.bench.gpu`): model, tiers, plans, timing loops.
 
 :class:`GpuBench` builds a random-weight Llama-shaped model on the device (wrapped by
-:class:`cluster.bench.fast_llama.FastLlama` or :class:`blend.adapters.hf.HFModelAdapter`),
+:class:`blend.adapters.fused_llama.FusedLlamaAdapter` or :class:`blend.adapters.hf.HFModelAdapter`),
 computes every chunk's canonical KV once into a gpu, a host and a disk tier, and times per
 prompt length: full prefill, HF's forward, and a blend through each tier (lookup +
 :meth:`blend.engine.BlendEngine.blend`), with the host-to-device copy rate and the disk's raw
@@ -92,32 +92,26 @@ class GpuBench:
         log.info("model built on %s in %.1f s", device, time.perf_counter() - t0)
         self.hf_model = model
 
-        class _Adapter(HFModelAdapter):
-            def rotate_k(self, k, from_positions, to_positions):  # Triton re-rotation (a copy)
-                inv_freq = self.__dict__.get("_inv_freq_dev")
-                if inv_freq is None or inv_freq.device != k.device:  # no per-layer host->device copy
-                    inv_freq = self.__dict__["_inv_freq_dev"] = self._inv_freq.to(k.device)
-                return ops.rerotate_k_(k.clone(), from_positions, to_positions, inv_freq)
-
-        self.adapter = _Adapter(model, model_id="bench-llama")
+        self.adapter = HFModelAdapter(model, model_id="bench-llama")
         self.spec = self.adapter.spec
         self.model_check = None
         if args.model_impl == "fast":
             use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-            from cluster.bench.fast_llama import FastLlama
+            from blend.adapters.fused_llama import FusedLlamaAdapter
 
-            fast = FastLlama(model, self.adapter.spec, self.adapter.scale, ops, use_compile)
+            fast = FusedLlamaAdapter(model, model_id=self.adapter.spec.model_id, compile=use_compile)
             self.model_check = _check_model(fast, model, torch, device)
             self.adapter = fast
         self.model_desc = {k: shape[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                                  "num_key_value_heads", "intermediate_size", "vocab_size")}
         self.model_desc["dtype"] = str(dtype).removeprefix("torch.")
         self.model_desc["impl"] = (
-            "cluster.bench.fast_llama.FastLlama (fused qkv / gate_up weights of the same "
+            "blend.adapters.fused_llama.FusedLlamaAdapter (fused qkv / gate_up weights of the same "
             f"LlamaForCausalLM, compile={getattr(self.adapter, 'compiled', False)})"
             if args.model_impl == "fast" else "transformers.LlamaForCausalLM + blend.adapters.hf.HFModelAdapter")
         self.model_desc["check_vs_hf_forward"] = self.model_check
         self.BlendEngine = BlendEngine
+        self.ratios = list(args.ratios)
         self._set_attention(args.attention)
         self._build_chunks(max(lengths))
 
@@ -126,13 +120,16 @@ class GpuBench:
         self.engine_module.causal_attention = self.ops.causal_attention if which == "ops" else self.reference_attention
 
     def _build_chunks(self, max_length: int) -> None:
+        """Compute every chunk's canonical KV once and store it where each mode reads it:
+        the product's machine-local clients over a host tier and over a disk tier, and the
+        gpu tier of a worker source; each mode's source is built by
+        :func:`cluster.vllm.worker_source.build_worker_source`, as the vLLM worker builds its own."""
         torch = self.torch
+        from cluster.cache.local import LocalCacheClient
+        from cluster.vllm.worker_source import build_worker_source
         from tiers.disk import DiskTier
-        from tiers.format import encode_chunk
-        from tiers.gpu import GpuTier
         from tiers.host import HostTier
         from tiers.keys import segment_key
-        from tiers.staging import StagedSource
 
         n = self.args.chunk_tokens
         num_chunks = _num_chunks(max_length, n)
@@ -144,30 +141,30 @@ class GpuBench:
         self.sep_id = 3
         self.keys = [segment_key(NAMESPACE, ids) for ids in self.chunk_ids]
         kv_bytes = num_chunks * self.spec.num_layers * 2 * n * self.spec.num_kv_heads * self.spec.head_dim * 2
-        self.gpu_tier = GpuTier(2 * kv_bytes + (1 << 30), self.device)
-        self.host_tier = HostTier(2 * kv_bytes + (1 << 30))
+        capacity = 2 * kv_bytes + (1 << 30)
         self.disk_dir = self.args.disk_dir or tempfile.mkdtemp(prefix="kvblend-bench-gpu-")
-        self.disk_tier = DiskTier(self.disk_dir, 2 * kv_bytes + (1 << 30), fsync=False)
+        self.disk_tier = DiskTier(self.disk_dir, capacity, fsync=False)
+        clients = {"host": LocalCacheClient(HostTier(capacity), device=self.device),
+                   "disk": LocalCacheClient(self.disk_tier, device=self.device)}
+        num_layers = self.spec.num_layers
+        t0 = time.perf_counter()
+        self.sources = {"gpu": build_worker_source(clients["host"], self.device, num_layers, gpu_bytes=capacity),
+                        "host": build_worker_source(clients["host"], self.device, num_layers),
+                        "disk": build_worker_source(clients["disk"], self.device, num_layers)}
+        self.build_s = {"sources": time.perf_counter() - t0}
         engine = self.BlendEngine(self.adapter)
         t0 = time.perf_counter()
-        kv_dtype = str(self.adapter.dtype).removeprefix("torch.")
         for key, ids in zip(self.keys, self.chunk_ids, strict=False):
             kv = torch.stack(engine.prefill(ids, want_logits=False).kv)  # [L, 2, n, H, D]
-            self.gpu_tier.put(key, kv)
-            host = kv.cpu()
-            raw = host.view(torch.uint8).view(host.shape[0], -1).numpy()
-            obj = encode_chunk(key, [raw[i] for i in range(host.shape[0])], dtype=kv_dtype,
-                               num_tokens=n, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim)
-            self.host_tier.put(key, obj)
-            self.disk_tier.put(key, obj)
+            self.sources["gpu"].remember(key, kv)
+            for client in clients.values():
+                client.put(key, kv)
+        self.build_s["chunks"] = time.perf_counter() - t0
         log.info("%d chunks cached in gpu/host/disk tiers in %.1f s (%.2f GB each tier)", num_chunks,
-                 time.perf_counter() - t0, kv_bytes / 1e9)
-        self.sources = {"gpu": StagedSource(self.gpu_tier, self.device),
-                        "host": StagedSource(self.host_tier, self.device, verify=self.args.verify_host),
-                        "disk": StagedSource(self.disk_tier, self.device)}
+                 self.build_s["chunks"], kv_bytes / 1e9)
         self.page_cache = "not dropped (no disk run yet)"
 
-    def _plan(self, length: int):
+    def _plan(self, length: int, ratio: float):
         from blend.plan import CHUNK, PREFIX, QUERY, SEPARATOR, BlendPlan, Segment
 
         n = self.args.chunk_tokens
@@ -185,25 +182,31 @@ class GpuBench:
         segments.append(Segment(QUERY, len(ids), len(ids) + QUERY_TOKENS))
         ids.extend(self.query_ids)
         return BlendPlan(tuple(ids), tuple(segments), check_layers=(self.args.check_layer,),
-                         recompute_ratios=(self.args.ratio,), blend_end=len(ids)), num_chunks
+                         recompute_ratios=(ratio,), blend_end=len(ids)), num_chunks
 
     # ------------------------------------------------------------------ timing
     def _sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def _timed(self, fn, repeats: int) -> tuple[float, object]:
-        fn()  # warm-up (compiles, allocates pinned slots)
+    def _timed(self, fn, repeats: int, before=None) -> tuple[dict, object]:
+        """One warm-up, then ``repeats`` synchronized runs (``before()`` ahead of each, not
+        timed): ``{'median', 'min', 'max'}`` s."""
+        fn()  # warm-up (compiles, sizes the pinned slots)
         times, last = [], None
         for _ in range(repeats):
+            if before is not None:
+                before()
             self._sync()
             t0 = time.perf_counter()
             last = fn()
             self._sync()
             times.append(time.perf_counter() - t0)
-        return statistics.median(times), last
+        return {"median": statistics.median(times), "min": min(times), "max": max(times)}, last
 
     def _blend_fn(self, plan, tier: str, num_chunks: int):
+        """One request as the worker serves it: lookup through the source, then the blend
+        (every cached layer asked for at its start), to first-token logits."""
         source = self.sources[tier]
         engine = self.BlendEngine(self.adapter, source)
         keys = self.keys[:num_chunks]
@@ -223,49 +226,73 @@ class GpuBench:
         return fn
 
     def measure(self, length: int, also_engine: bool = False) -> dict:
+        """Full prefill once, then per ratio the blend from each tier (see :mod:`cluster.bench.gpu`)."""
         torch = self.torch
-        plan, num_chunks = self._plan(length)
         repeats = self.args.repeats
+        plan, num_chunks = self._plan(length, self.ratios[0])
         ids = list(plan.token_ids)
         prefill_engine = self.BlendEngine(self.adapter)
-        full_s, _ = self._timed(lambda: prefill_engine.prefill(ids, want_logits=True), repeats)
+        full, _ = self._timed(lambda: prefill_engine.prefill(ids, want_logits=True), repeats)
         ids_t = torch.tensor([ids], device=self.device)
         with torch.no_grad():
-            full_hf_s, _ = self._timed(lambda: self.hf_model(ids_t, use_cache=False, logits_to_keep=1), repeats)
-        gpu_s, res = self._timed(self._blend_fn(plan, "gpu", num_chunks), repeats)
-        counters = res.counters
-        host_src = self.sources["host"]
-        host_fn = self._blend_fn(plan, "host", num_chunks)
-        host_fn()  # warm-up outside the stats
-        host_src.reset_stats()
-        host_s, host_res = self._timed(host_fn, repeats)
-        stats = host_src.transfer_stats()
-        disk_s, disk_res = self._timed(self._blend_fn(plan, "disk", num_chunks), max(1, repeats - 1))
-        disk_raw_gbps = self._disk_raw_gbps(num_chunks)
-        layer_bytes = stats.num_bytes // max(1, stats.num_copies)
-        baseline = self._h2d_baseline(layer_bytes, self.spec.num_layers) if self.device.type == "cuda" else 0.0
-        row = {
-            "num_tokens": len(ids), "num_chunks": num_chunks,
-            "full_s": full_s, "full_hf_s": full_hf_s,
-            "blend_gpu_s": gpu_s, "blend_host_s": host_s, "blend_disk_s": disk_s,
-            "ratio_gpu": gpu_s / full_s, "ratio_host": host_s / full_s, "ratio_disk": disk_s / full_s,
-            "h2d_gbps": stats.gbps, "h2d_baseline_gbps": baseline,
-            "h2d_bytes_per_copy": layer_bytes,
-            "overlap": host_s / gpu_s, "disk_raw_gbps": disk_raw_gbps,
-            "selected_tokens": counters.selected_tokens, "reused_tokens": counters.reused_tokens,
-            "recomputed_tokens_last_layer": counters.recomputed_tokens_per_layer[-1],
-            "load_wait_gpu_s": counters.load_wait_s, "load_wait_host_s": host_res.counters.load_wait_s,
-            "load_wait_disk_s": disk_res.counters.load_wait_s,
-            "disk_read_counters": self.sources["disk"].read_counters.snapshot(),
-        }
-        if also_engine:
-            self._set_attention("engine")
-            try:
-                row["blend_gpu_engine_attention_s"], _ = self._timed(self._blend_fn(plan, "gpu", num_chunks), repeats)
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory with the dense mask
-                row["blend_gpu_engine_attention_s"] = f"{type(e).__name__}: {e}"[:300]
-            finally:
-                self._set_attention(self.args.attention)
+            full_hf, _ = self._timed(lambda: self.hf_model(ids_t, use_cache=False, logits_to_keep=1), repeats)
+        row = {"tokens": len(ids), "num_chunks": num_chunks, "repeats": repeats,
+               "full_s": full["median"], "full_min_s": full["min"], "full_max_s": full["max"],
+               "full_hf_s": full_hf["median"], "disk_raw_gbps": self._disk_raw_gbps(num_chunks),
+               "by_ratio": {}}
+        staged = self.sources["host"].reader
+        for ratio in self.ratios:
+            plan, _ = self._plan(length, ratio)
+            cell = {"tokens": len(ids), "ratio": ratio, "repeats": repeats, "full_s": full["median"]}
+            results = {}
+            pinned = getattr(staged, "pinned", None)  # None on the CPU: no staging there
+            for tier in ("gpu", "host_cold", "host", "disk"):
+                fn = self._blend_fn(plan, "host" if tier == "host_cold" else tier, num_chunks)
+                before, keep = None, pinned.capacity_bytes if pinned is not None else 0
+                if tier == "host_cold" and pinned is not None:  # no pinned copy, every run
+                    pinned.capacity_bytes = 0
+                    before = pinned.clear
+                if tier == "host" and pinned is not None:  # hot: pinned after first use
+                    fn()
+                    pinned.wait_idle(120)
+                    staged.reset_stats()
+                runs = repeats
+                try:
+                    t, results[tier] = self._timed(fn, runs, before)
+                finally:
+                    if pinned is not None:
+                        pinned.capacity_bytes = keep
+                cell[f"blend_{tier}_s"] = t["median"]
+                cell[f"blend_{tier}_min_s"], cell[f"blend_{tier}_max_s"] = t["min"], t["max"]
+                cell[f"load_wait_{tier}_s"] = results[tier].counters.load_wait_s
+            cell["pinned_chunks"] = pinned.stats()["num_chunks"] if pinned is not None else 0
+            stats = staged.transfer_stats() if hasattr(staged, "transfer_stats") else None
+            layer_bytes = stats.num_bytes // max(1, stats.num_copies) if stats else 0
+            cell.update({
+                "ratio_gpu": cell["blend_gpu_s"] / full["median"],
+                "ratio_host": cell["blend_host_s"] / full["median"],
+                "ratio_disk": cell["blend_disk_s"] / full["median"],
+                "ratio_host_cold": cell["blend_host_cold_s"] / full["median"],
+                "overlap": cell["blend_host_s"] / cell["blend_gpu_s"],
+                "h2d_gbps": stats.gbps if stats else 0.0,
+                "h2d_baseline_gbps": self._h2d_baseline(layer_bytes, self.spec.num_layers)
+                if self.device.type == "cuda" else 0.0,
+                "h2d_bytes_per_copy": layer_bytes,
+                "fill_gbps": stats.fill_gbps if stats else 0.0,
+                "selected_tokens": results["gpu"].counters.selected_tokens,
+                "reused_tokens": results["gpu"].counters.reused_tokens,
+                "recomputed_tokens_last_layer": results["gpu"].counters.recomputed_tokens_per_layer[-1],
+            })
+            if also_engine and ratio == self.ratios[0]:
+                self._set_attention("engine")
+                try:
+                    t, _ = self._timed(self._blend_fn(plan, "gpu", num_chunks), repeats)
+                    cell["blend_gpu_engine_attention_s"] = t["median"]
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory with the dense mask
+                    cell["blend_gpu_engine_attention_s"] = f"{type(e).__name__}: {e}"[:300]
+                finally:
+                    self._set_attention(self.args.attention)
+            row["by_ratio"][str(ratio)] = cell
         return row
 
     def _disk_raw_gbps(self, num_chunks: int) -> float:
@@ -306,28 +333,32 @@ class GpuBench:
             best = max(best, nbytes * num_copies / (start.elapsed_time(end) / 1e3) / 1e9)
         return best
 
-    def profile(self, length: int, path: str) -> None:
+    def profile(self, length: int, path: str) -> dict:
+        """Profile one host-tier blend at ``length`` (ratio 0.15 when timed): tables to
+        ``path``; returns where its time went (wall, device busy, launches, syncs)."""
         torch = self.torch
         from torch.profiler import ProfilerActivity, profile
 
-        plan, num_chunks = self._plan(length)
+        plan, num_chunks = self._plan(length, 0.15 if 0.15 in self.ratios else self.ratios[0])
         fn = self._blend_fn(plan, "host", num_chunks)
         fn()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
+            self._sync()
+            t0 = time.perf_counter()
             fn()
             self._sync()
+            wall = time.perf_counter() - t0
         table = prof.key_averages()
+        summary = _profile_summary(table, wall)
         with open(path, "w") as f:
-            f.write(f"one host-tier blend at {length} tokens\n\n== by self CPU time ==\n")
+            f.write(f"one host-tier blend at {length} tokens: {summary}\n\n== by self CPU time ==\n")
             f.write(table.table(sort_by="self_cpu_time_total", row_limit=30))
             if self.device.type == "cuda":
                 f.write("\n\n== by device time ==\n")
-                try:
-                    f.write(table.table(sort_by="device_time_total", row_limit=30))
-                except (KeyError, AttributeError, RuntimeError):
-                    f.write(table.table(sort_by="cuda_time_total", row_limit=30))
+                f.write(table.table(sort_by="self_device_time_total", row_limit=30))
         del torch
+        return summary
 
     def close(self) -> None:
         for src in self.sources.values():
@@ -344,3 +375,18 @@ def _check_model(fast, hf_model, torch, device) -> dict:
         want = hf_model(torch.tensor([ids], device=device), use_cache=False).logits[0, -1].double()
     return {"rel_err": float((got - want).norm() / want.norm()),
             "argmax_match": bool(int(got.argmax()) == int(want.argmax()))}
+
+
+_SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def _profile_summary(table, wall_s: float) -> dict:
+    """Wall seconds, device-busy seconds (sum of kernel and copy self time on the device),
+    kernel launches and host syncs of one profiled run (``key_averages()`` rows)."""
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in table)
+    launches = sum(e.count for e in table if e.key in _LAUNCHES)
+    syncs = sum(e.count for e in table if e.key in _SYNCS)
+    return {"wall_s": wall_s, "device_busy_s": busy_us / 1e6,
+            "device_idle_s": max(0.0, wall_s - busy_us / 1e6),
+            "kernel_launches": launches, "host_syncs": syncs}
