@@ -134,6 +134,7 @@ class BlendEngine:
             call :meth:`blend` with the same plan segments, hits and ratios. Reductions the
             model itself needs (row-parallel projections) are the model adapter's business.
             None: no tensor parallelism.
+        load_timeout_s: longest wait for one cached layer; past it the request is recomputed.
 
     Re-rotation of cached K uses the model's ``inv_freq`` ``[D/2]`` when it has one, else
     :func:`blend.rope.inv_freq_for` of its spec (what :meth:`BlendModel.rotate_k` uses).
@@ -143,7 +144,8 @@ class BlendEngine:
     """
 
     def __init__(self, model: BlendModel, source: KVSource | None = None, *, score: str = "k",
-                 process_group: torch.distributed.ProcessGroup | None = None) -> None:
+                 process_group: torch.distributed.ProcessGroup | None = None,
+                 load_timeout_s: float = 30.0) -> None:
         if score not in SCORES:
             raise ValueError(f"score={score!r}: choose one of {SCORES}")
         self.score = score
@@ -152,6 +154,7 @@ class BlendEngine:
         self.spec = model.spec
         self.scale = float(getattr(model, "scale", self.spec.head_dim ** -0.5))
         self.process_group = process_group
+        self.load_timeout_s = load_timeout_s
         self._group_device = torch.device("cpu")
         if process_group is not None and torch.distributed.get_backend(process_group) == "nccl":
             self._group_device = model.device
@@ -160,8 +163,7 @@ class BlendEngine:
     # ------------------------------------------------------------------ public
 
     def close(self) -> None:
-        """Nothing to release (the engine owns no threads; the source does): kept so callers
-        can treat every engine alike. Idempotent."""
+        """Nothing to release (the engine owns no threads; the source does). Idempotent."""
 
     def prefill(self, token_ids: Sequence[int], *, want_logits: bool = True,
                 on_layer: OnLayer | None = None) -> BlendResult:
@@ -334,13 +336,13 @@ class BlendEngine:
             return {}
         return dict(zip(layers, futs, strict=False))
 
-    @staticmethod
-    def _layer_result(fut: Future | None, layer_idx: int) -> list[torch.Tensor | None] | None:
-        """The layer a source's future holds, or None on any fault (never raises)."""
+    def _layer_result(self, fut: Future | None, layer_idx: int) -> list[torch.Tensor | None] | None:
+        """The layer a source's future holds, or None on any fault or after ``load_timeout_s``
+        (never raises)."""
         if fut is None:
             return None
         try:
-            return fut.result()
+            return fut.result(timeout=self.load_timeout_s)
         except Exception as e:  # a broken source is a miss, never a failed request
             log.warning("fetch of layer %d failed (%s: %s)", layer_idx, type(e).__name__, e)
             return None

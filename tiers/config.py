@@ -30,6 +30,9 @@ class TiersConfig:
         (0.0, 1024.0))
     host_size_gib: float = _f(
         4.0, "GiB of host memory per shard for the host tier", (0.0, 4096.0))
+    pinned_size_gib: float = _f(
+        8.0, "GiB of page-locked host memory per CUDA vLLM worker for hot chunks staged to its GPU (0 = off; unused on the CPU backend)",
+        (0.0, 4096.0))
     disk_path: str = _f(
         "", "directory of the disk tier ('' = <cache_dir>/disk)")
     disk_size_gib: float = _f(

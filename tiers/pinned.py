@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: chunks waiting to be pinned at most (a full queue drops the newest request)
 MAX_PENDING = 64
+#: chunks whose uses are counted toward admission at most (the oldest is forgotten)
+MAX_SEEN = 65536
 
 
 class PinnedChunk:
@@ -61,7 +63,8 @@ class PinnedChunk:
         if register:
             import torch
 
-            err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, self.nbytes, 0))
+            # cudaHostRegisterPortable (1): pinned for every CUDA context of this process
+            err = int(torch.cuda.cudart().cudaHostRegister(self._ptr, self.nbytes, 1))
             if err != 0:
                 raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (cudaError {err})")
             self._registered = True
@@ -75,7 +78,9 @@ class PinnedChunk:
         if self._registered:
             import torch
 
-            torch.cuda.cudart().cudaHostUnregister(self._ptr)
+            err = int(torch.cuda.cudart().cudaHostUnregister(self._ptr))
+            if err != 0:
+                log.warning("cudaHostUnregister of %d bytes failed (cudaError %d)", self.nbytes, err)
             self._registered = False
 
 
@@ -83,13 +88,20 @@ class PinnedChunks:
     """LRU of :class:`PinnedChunk` by bytes, filled in the background (module docstring).
 
     Args:
-        capacity_bytes: pinned bytes held at most (0: keep nothing).
+        capacity_bytes: pinned bytes held at most (0: keep nothing); entries in use may
+            exceed it until released.
         register: register the memory with CUDA (the device is CUDA).
+        device: the CUDA device whose context the pinning thread uses.
+        admit_after: uses of a chunk before it is pinned (2: a chunk seen once is not
+            copied; the set of chunks seen is bounded by :data:`MAX_SEEN`).
     """
 
-    def __init__(self, capacity_bytes: int, register: bool) -> None:
+    def __init__(self, capacity_bytes: int, register: bool, device=None, admit_after: int = 2) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.register = register
+        self.device = device
+        self.admit_after = max(1, admit_after)
+        self._seen: OrderedDict[ChunkKey, int] = OrderedDict()
         self._entries: OrderedDict[ChunkKey, PinnedChunk] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -113,19 +125,31 @@ class PinnedChunks:
         return out
 
     def release_all(self, entries: Sequence[PinnedChunk | None]) -> None:
-        """Undo one :meth:`acquire` of each entry."""
+        """Undo one :meth:`acquire` of each entry (and evict what in-use entries held over
+        capacity)."""
         with self._lock:
             for e in entries:
                 if e is not None:
                     e.users -= 1
+            victims = self._victims()
+        for v in victims:
+            v.release()
 
     def pin_later(self, key: ChunkKey, views: Sequence[np.ndarray]) -> None:
-        """Copy ``views`` (the chunk's checked raw layers) into pinned memory in the background;
-        a no-op when pinned or queued already, dropped (counted) when the queue is full."""
-        if self.capacity_bytes <= 0 or self._closed:
+        """Copy ``views`` (the chunk's checked raw layers) into pinned memory in the background,
+        from its ``admit_after``-th use on; a no-op when pinned or queued already or larger
+        than the capacity, dropped (counted) when the queue is full."""
+        nbytes = sum(v.nbytes for v in views)
+        if self.capacity_bytes <= 0 or self._closed or nbytes > self.capacity_bytes:
             return
         with self._lock:
             if key in self._entries or key in self._queued:
+                return
+            uses = self._seen.pop(key, 0) + 1
+            if uses < self.admit_after:
+                self._seen[key] = uses
+                while len(self._seen) > MAX_SEEN:
+                    self._seen.popitem(last=False)
                 return
             self._queued.add(key)
             if self._thread is None:
@@ -139,6 +163,10 @@ class PinnedChunks:
                 self.counters["dropped"] += 1
 
     def _loop(self) -> None:
+        if self.register and self.device is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)  # register in the worker's device context
         while True:
             item = self._queue.get()
             if item is None:

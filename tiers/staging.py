@@ -16,16 +16,22 @@ hides under recompute). This module moves them, in the process that owns the GPU
 
 * One staging thread per source runs a request's layers in order; slot ``i`` is refilled
   only after the copy that read it completed (the staging thread waits on that event, the
-  compute thread never does).
+  compute thread never does), and at most ``max_ahead`` layers are delivered beyond the one
+  the consumer last took (unless another request waits).
+* Hot chunks skip the slot: from its second use a chunk is copied, in the background, into
+  page-locked memory (:mod:`tiers.pinned`) and its layers then go to the device straight
+  from there (one copy per chunk and layer, no host memcpy).
 * Pinning happens here, in the copying process: pinned memory of another process (a Ray
   shard) would not make this process's copies asynchronous.
-* The device buffer is allocated on the copy stream and ``record_stream``-ed on the compute
-  stream, so the caching allocator never hands it out while compute may still read it.
-* Where bytes come from is a :class:`HostLayers` (``headers`` + ``layer_into``): the cache
-  clients implement it; :class:`TierLayers` adapts any byte tier. Checksums are the
-  reader's business, and are checked where they protect something: host memory's objects
-  were checked when they entered it, so they are copied unchecked; disk and lz4 layers are
-  checked as they are read (on io threads, off the engine's thread either way).
+* The device buffer is allocated on the copy stream and ``record_stream``-ed on the stream
+  that was current where ``fetch_layers`` was called (the consumer's), so the caching
+  allocator never hands it out while the consumer may still read it.
+* Where bytes come from is a :class:`tiers.host_layers.HostLayers` (``headers`` +
+  ``layer_into``, optionally ``layer_views``): the cache clients implement it;
+  :class:`tiers.host_layers.TierLayers` adapts any byte tier. Checksums are the reader's
+  business, checked where they protect something: host memory's objects were checked when
+  they entered it, so they are copied unchecked; disk and lz4 layers are checked as they
+  are read (on io threads, off the engine's thread either way).
 
 Failure behaviour: like every tier read, a missing, truncated or corrupted chunk layer is a
 miss: ``None`` in that chunk's slot (counted in :attr:`StagedSource.read_counters`), never an
@@ -41,89 +47,21 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from tiers.codec import TORCH_DTYPES, LayerBatch
-from tiers.format import CODEC_RAW, ChunkHeader
+from tiers.host_layers import TierLayers
 from tiers.keys import ChunkKey
 from tiers.pinned import PinnedChunks
-from tiers.reader import ReadCounters, read_header, read_layers
+from tiers.reader import ReadCounters
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 1 << 20          # pinned slots grow in whole MiB
 _PARALLEL_BYTES = 4 << 20  # a layer below this is copied by the staging thread alone
 _MAX_TIMINGS = 4096        # copy timings kept for transfer_stats
-
-
-class HostLayers(Protocol):
-    """Chunk layers in host memory (or on disk), for :class:`StagedSource`.
-
-    ``headers`` runs once per request on the staging thread (it may map objects: a Ray
-    client asks its shards here); ``layer_into`` runs on io threads, concurrently.
-    """
-
-    name: str
-
-    def headers(self, keys: Sequence[ChunkKey]) -> list[ChunkHeader | None]:
-        """The validated header of each key's object, or None for a miss."""
-        ...
-
-    def layer_into(self, key: ChunkKey, header: ChunkHeader, layer_idx: int, out: np.ndarray) -> bool:
-        """Write layer ``layer_idx``'s raw ``[2, T, H, D]`` bytes into ``out`` (uint8, exactly
-        ``header.layer_nbytes``); False on a miss or a corrupt layer (never raises)."""
-        ...
-
-    def layer_views(self, key: ChunkKey, header: ChunkHeader) -> list | None:
-        """Optional fast path (runs with ``headers``, once per request): zero-copy, read-only
-        uint8 views of every layer's raw bytes, already checked (they entered host memory
-        checked), or None when the object has none (on disk, lz4 layers, not checked):
-        then ``layer_into`` reads it."""
-        ...
-
-
-class TierLayers:
-    """:class:`HostLayers` over one byte tier, read by :func:`tiers.reader.read_layers`:
-    disk layers are checked as they land, a :class:`tiers.host.HostTier`'s layers were
-    checked when they entered it (copied without hashing again), any other tier's are
-    checked on every read.
-    """
-
-    def __init__(self, tier, counters: ReadCounters | None = None) -> None:
-        self.tier = tier
-        self.name = getattr(tier, "name", type(tier).__name__)
-        self.counters = counters if counters is not None else ReadCounters()
-
-    def headers(self, keys: Sequence[ChunkKey]) -> list[ChunkHeader | None]:
-        out = []
-        for key in keys:
-            h = read_header(self.tier, key, self.counters)
-            out.append(h if h is not None and h.dtype in TORCH_DTYPES else None)
-        return out
-
-    def layer_views(self, key: ChunkKey, header: ChunkHeader) -> list | None:
-        """Views of a :class:`tiers.host.HostTier` object whose every layer is raw and was
-        checked on entry against this very header; None for any other tier or object."""
-        verified = getattr(self.tier, "get_ranges_verified", None)
-        if verified is None or any(e.codec != CODEC_RAW for e in header.layers):
-            return None
-        got = verified(key, [(e.offset, e.stored_len) for e in header.layers])
-        if got is None or got[1] is None or got[1].layers != header.layers:
-            return None
-        return list(got[0])
-
-    def layer_into(self, key: ChunkKey, header: ChunkHeader, layer_idx: int, out: np.ndarray) -> bool:
-        try:
-            return read_layers(self.tier, key, [layer_idx], [out], header=header,
-                               counters=self.counters) is not None
-        except Exception as err:  # noqa: BLE001 - a broken tier is a miss, never a failed request
-            log.warning("%s: read of layer %d of %s failed (%s: %s)", self.name, layer_idx, key,
-                        type(err).__name__, err)
-            self.counters.add("misses")
-            return False
 
 
 @dataclass(frozen=True)
@@ -175,13 +113,15 @@ class _Request:
     keys: tuple[ChunkKey, ...]
     layers: list[int]
     futures: list[_Taken]
+    stream: object = None  # the caller's current CUDA stream: where the layers are used
 
     def cancelled(self) -> bool:
         return all(f.cancelled() for f in self.futures)
 
 
 class StagedSource:
-    """A ``blend.protocols.KVSource`` over :class:`HostLayers`, delivering layers on ``device``.
+    """A ``blend.protocols.KVSource`` over :class:`tiers.host_layers.HostLayers`, delivering
+    layers on ``device``.
 
     Args:
         layers: where the bytes come from (a cache client's ``host_layers()``, or
@@ -212,6 +152,7 @@ class StagedSource:
         self.max_ahead = max(1, max_ahead)
         self.take_timeout_s = take_timeout_s
         self._fill_s, self._fill_bytes = 0.0, 0
+        self._queued = 0  # requests submitted and not started: the look-ahead bound yields to them
         self.read_counters = getattr(self.layers, "counters", ReadCounters())
         self._cuda = self.device.type == "cuda"
         self._slots: list[torch.Tensor | None] = [None] * (read_ahead + 1)
@@ -221,10 +162,10 @@ class StagedSource:
         self._io = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvblend-stage-io")
         self._num_io = num_io_threads
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvblend-stage")
-        self.pinned = PinnedChunks(pinned_bytes, register=self._cuda)
+        self.pinned = PinnedChunks(pinned_bytes, register=self._cuda,
+                                   device=self.device if self._cuda else None)
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
-            self._compute_stream = torch.cuda.current_stream(self.device)
 
     # ------------------------------------------------------------------ KVSource
     def lookup(self, keys: Sequence[ChunkKey]) -> list:
@@ -243,8 +184,11 @@ class StagedSource:
         layer_idxs = list(layer_idxs)
         if any(i < 0 for i in layer_idxs):
             raise ValueError(f"layer_idxs {layer_idxs} must be >= 0")
-        req = _Request(tuple(keys), layer_idxs, [_Taken() for _ in layer_idxs])
+        req = _Request(tuple(keys), layer_idxs, [_Taken() for _ in layer_idxs],
+                       torch.cuda.current_stream(self.device) if self._cuda else None)
         if req.futures:
+            with self._lock:
+                self._queued += 1
             self._stager.submit(self._run, req)
         return req.futures
 
@@ -269,6 +213,7 @@ class StagedSource:
         with self._lock:
             self._timings.clear()
             self._fill_s, self._fill_bytes = 0.0, 0
+        self._queued = 0  # requests submitted and not started: the look-ahead bound yields to them
 
     def close(self) -> None:
         for pool in (self._stager, self._io):
@@ -279,18 +224,22 @@ class StagedSource:
     def _run(self, req: _Request) -> None:
         """The staging thread: headers once, then every layer in order; from pinned memory
         when every hit chunk is pinned, else through the slots (and chunks with checked
-        views are queued for pinning, for the next request)."""
+        views are queued for pinning, for the next request). Every future is resolved when
+        it returns, whatever failed (a fault is a miss)."""
+        with self._lock:
+            self._queued -= 1
+        pinned: list = []
         try:
-            headers = self.layers.headers(list(req.keys)) if not req.cancelled() else []
-        except Exception as e:  # noqa: BLE001 - a broken reader is a miss for the request
-            log.warning("%s: headers failed (%s: %s)", self.name, type(e).__name__, e)
             headers = [None] * len(req.keys)
-        views = self._views(req.keys, headers)
-        sizes = [0 if h is None else h.layer_nbytes for h in headers]
-        offsets = np.cumsum([0] + sizes[:-1]).tolist() if sizes else []
-        total = sum(sizes)
-        pinned = self.pinned.acquire(req.keys)
-        try:
+            if not req.cancelled():
+                got = self.layers.headers(list(req.keys))
+                if len(got) == len(req.keys):
+                    headers = list(got)
+            views = self._views(req.keys, headers)
+            sizes = [0 if h is None else h.layer_nbytes for h in headers]
+            offsets = np.cumsum([0] + sizes[:-1]).tolist() if sizes else []
+            total = sum(sizes)
+            pinned = self.pinned.acquire(req.keys)
             if views is not None:
                 for key, h, p, v in zip(req.keys, headers, pinned, views, strict=True):
                     if h is not None and p is None:
@@ -300,8 +249,13 @@ class StagedSource:
                                         and all(x.nbytes == h.layer_nbytes for x in p.layers)
                                         for p, h in hits)
             self._run_layers(req, headers, views, offsets, total, pinned if direct else None)
+        except Exception as e:  # noqa: BLE001 - a broken reader is a miss for the request
+            log.warning("%s: staging a request failed (%s: %s)", self.name, type(e).__name__, e)
         finally:
             self.pinned.release_all(pinned)
+            for fut in req.futures:  # nothing left pending: the consumer never hangs
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(LayerBatch([None] * len(req.keys)))
 
     def _run_layers(self, req: _Request, headers, views, offsets, total: int, pinned) -> None:
         """Every layer of ``req`` in order (``pinned``: every hit chunk is in pinned memory)."""
@@ -315,9 +269,9 @@ class StagedSource:
                 continue
             try:
                 if pinned is not None:
-                    fut.set_result(self._direct(req.keys, headers, pinned, offsets, total, layer_idx))
+                    fut.set_result(self._direct(req, headers, pinned, offsets, total, layer_idx))
                 else:
-                    fut.set_result(self._stage(req.keys, headers, views, offsets, total, layer_idx, n))
+                    fut.set_result(self._stage(req, headers, views, offsets, total, layer_idx, n))
             except Exception as e:  # noqa: BLE001 - never leave a future unresolved
                 log.warning("%s: staging layer %d failed (%s: %s)", self.name, layer_idx,
                             type(e).__name__, e)
@@ -325,19 +279,24 @@ class StagedSource:
 
     def _wait_taken(self, req: _Request, n: int) -> bool:
         """Wait until layer ``n`` of ``req`` was taken, or the consumer cancelled it or the
-        layer to stage next (then the main loop skips what is cancelled); False after
-        ``take_timeout_s`` (a consumer that stopped asking without cancelling)."""
+        layer to stage next, or another request is waiting for this thread (a consumer that
+        pauses between layers, an async blend, must not hold up the next request: the bound
+        then is the request's own layers); False after ``take_timeout_s`` (a consumer that
+        stopped asking without cancelling)."""
         fut, upcoming = req.futures[n], req.futures[n + self.max_ahead]
         waited = 0.0
-        while not fut.taken.wait(0.05):
-            waited += 0.05
-            if fut.cancelled() or upcoming.cancelled():  # the consumer gave up: skip, don't wait
+        while True:
+            if fut.taken.is_set() or fut.cancelled() or upcoming.cancelled():
                 return True
+            with self._lock:
+                if self._queued > 0:
+                    return True
             if waited >= self.take_timeout_s:
                 log.warning("%s: layer %d was not taken in %.0f s: the rest of the request are misses",
                             self.name, req.layers[n], self.take_timeout_s)
                 return False
-        return True
+            fut.taken.wait(0.02)
+            waited += 0.02
 
     def _slot(self, n: int, nbytes: int) -> torch.Tensor:
         """Ring slot ``n % len``, at least ``nbytes``, free (its last copy completed)."""
@@ -409,8 +368,9 @@ class StagedSource:
             out.append([np.frombuffer(v, dtype=np.uint8) for v in got])
         return out
 
-    def _direct(self, keys, headers, pinned, offsets, total: int, layer_idx: int) -> LayerBatch:
+    def _direct(self, req: _Request, headers, pinned, offsets, total: int, layer_idx: int) -> LayerBatch:
         """Layer ``layer_idx`` straight from pinned chunks: one device copy per chunk, no fill."""
+        keys = req.keys
         out = LayerBatch([None] * len(keys))
         if total == 0:
             return out
@@ -423,7 +383,7 @@ class StagedSource:
                     if p is not None:
                         dev[off:off + h.layer_nbytes].copy_(torch.from_numpy(p.layers[layer_idx]), non_blocking=True)
                 end.record()
-            dev.record_stream(self._compute_stream)
+            dev.record_stream(req.stream)  # freed only after the consumer's uses
             for p in pinned:
                 if p is not None:
                     p.last_copy = end
@@ -440,10 +400,11 @@ class StagedSource:
                 out[i] = dev[off:off + h.layer_nbytes].view(TORCH_DTYPES[h.dtype]).view(h.layer_shape)
         return out
 
-    def _stage(self, keys, headers, views, offsets, total: int, layer_idx: int, n: int) -> LayerBatch:
+    def _stage(self, req: _Request, headers, views, offsets, total: int, layer_idx: int, n: int) -> LayerBatch:
         """Layer ``layer_idx`` of every chunk: filled into ring slot ``n``, then one copy.
         With ``views`` the fill is one numpy copy per chunk on the io threads (no other
         per-chunk Python); otherwise ``layer_into`` on the io threads."""
+        keys = req.keys
         out = LayerBatch([None] * len(keys))
         if total == 0:
             return out
@@ -469,7 +430,7 @@ class StagedSource:
                 start.record()
                 dev.copy_(host, non_blocking=True)
                 end.record()
-            dev.record_stream(self._compute_stream)  # freed only after compute's uses
+            dev.record_stream(req.stream)  # freed only after the consumer's uses
             self._slot_done[n % len(self._slots)] = end
             with self._lock:
                 self._timings.append((start, end, total))

@@ -17,6 +17,12 @@ shard, each advertising the shard resource, object stores of ``--object-store-gi
   ``direct_gbps`` is the baseline: the same objects read layer by layer from a
   :class:`tiers.host.HostTier` in this process with :func:`tiers.reader.read_layer` (same
   checksum and copy work, no Ray, no client). ``client_ratio = client_gbps / direct_gbps``.
+* the CUDA worker's path, measured on the CPU: :class:`tiers.staging.StagedSource` over
+  ``CacheClient.host_layers()`` (objects mapped from a cold client cache, then staged)
+  against the same source over the machine-local client of the same bytes
+  (``LocalCacheClient(HostTier).host_layers()``): ``staged_ray_gbps``, ``staged_local_gbps``,
+  ``staged_ratio``. That is the Ray object-store leg ``kvblend bench gpu`` (no Ray on the GPU
+  machine) leaves out.
 
 Targets (issue 5): ``client_ratio >= 0.7`` same-node; lookup p99 <= 5 ms for 16 segments and
 3 shards. All nodes share this machine's cores, so "cross-node" measures Ray's object
@@ -59,13 +65,12 @@ def _shape(quick: bool) -> dict:
     return {"num_layers": 32, "num_tokens": 64, "num_kv_heads": 8, "head_dim": 128}
 
 
-def _read_all_layers(client, keys, num_layers: int) -> float:
+def _read_all_layers(source, keys, num_layers: int) -> float:
+    """Seconds to read every layer of ``keys`` as the engine does: one ``fetch_layers`` call,
+    then each layer's result in order."""
     t0 = time.perf_counter()
-    futs = [client.fetch_layer(keys, 0)]
-    for layer in range(num_layers):
-        if layer + 1 < num_layers:
-            futs.append(client.fetch_layer(keys, layer + 1))  # one layer ahead, as the engine
-        got = futs[layer].result(60)
+    for layer, fut in enumerate(source.fetch_layers(keys, range(num_layers))):
+        got = fut.result(60)
         if any(t is None for t in got):
             raise RuntimeError(f"layer {layer}: a chunk could not be read")
     return time.perf_counter() - t0
@@ -202,16 +207,34 @@ def _bare_call_ms(handles: list, lookups: int) -> list[float]:
 def _read_gbps(client, direct, headers: dict, keys: list, num_layers: int, reps: int, nbytes: int) -> dict:
     """GB/s of reading every layer of ``keys`` through the client from a cold and a warm object
     cache, and directly from ``direct`` (the baseline); best of ``reps``."""
-    cold, warm, base = [], [], []
-    for _ in range(reps):
-        client._objects.clear()
-        client.lookup(keys)  # fresh refs, as a request would
-        cold.append(_read_all_layers(client, keys, num_layers))
-        warm.append(_read_all_layers(client, keys, num_layers))
-        base.append(_direct_all_layers(direct, keys, headers, num_layers))
+    from cluster.cache.local import LocalCacheClient
+    from tiers.staging import StagedSource
+
+    # the CUDA worker's path (tiers.staging over host_layers(); here on the CPU, no pinned
+    # copies): the Ray client's mapped objects against the machine-local client over the
+    # same bytes in this process (the H200 table has no Ray: this is the leg it omits)
+    staged_ray = StagedSource(client.host_layers(), "cpu", pinned_bytes=0)
+    staged_local = StagedSource(LocalCacheClient(direct).host_layers(), "cpu", pinned_bytes=0)
+    cold, warm, base, s_ray, s_local = [], [], [], [], []
+    try:
+        for _ in range(reps):
+            client._objects.clear()
+            client.lookup(keys)  # fresh refs, as a request would
+            cold.append(_read_all_layers(client, keys, num_layers))
+            warm.append(_read_all_layers(client, keys, num_layers))
+            base.append(_direct_all_layers(direct, keys, headers, num_layers))
+            client._objects.clear()
+            client.lookup(keys)
+            s_ray.append(_read_all_layers(staged_ray, keys, num_layers))
+            s_local.append(_read_all_layers(staged_local, keys, num_layers))
+    finally:
+        staged_ray.close()
+        staged_local.close()
     c, w, b = nbytes / min(cold) / 1e9, nbytes / min(warm) / 1e9, nbytes / min(base) / 1e9
+    sr, sl = nbytes / min(s_ray) / 1e9, nbytes / min(s_local) / 1e9
     return {"client_gbps": c, "client_warm_gbps": w, "direct_gbps": b,
-            "client_ratio": c / b, "client_warm_ratio": w / b, "bytes_per_pass": nbytes}
+            "client_ratio": c / b, "client_warm_ratio": w / b, "bytes_per_pass": nbytes,
+            "staged_ray_gbps": sr, "staged_local_gbps": sl, "staged_ratio": sr / sl}
 
 
 def _store_chunks(client, local: set[str], num_shards: int, shape: dict, g):
@@ -255,5 +278,7 @@ def _row_text(row: dict) -> str:
         if label in row:
             r = row[label]
             parts.append(f"{label}: client {r['client_gbps']:.2f} GB/s (warm {r['client_warm_gbps']:.2f}) "
-                         f"direct {r['direct_gbps']:.2f} GB/s ratio {r['client_ratio']:.2f}")
+                         f"direct {r['direct_gbps']:.2f} GB/s ratio {r['client_ratio']:.2f}; staged "
+                         f"ray {r['staged_ray_gbps']:.2f} local {r['staged_local_gbps']:.2f} GB/s "
+                         f"ratio {r['staged_ratio']:.2f}")
     return " | ".join(parts)

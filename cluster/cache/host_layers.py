@@ -1,6 +1,6 @@
 """The Ray client's chunk layers in host memory, for the GPU worker's staging pipeline.
 
-:class:`tiers.staging.StagedSource` copies layers from a :class:`tiers.staging.HostLayers`
+:class:`tiers.staging.StagedSource` copies layers from a :class:`tiers.host_layers.HostLayers`
 into pinned memory and then onto the GPU. :class:`RayHostLayers` is that reader over a
 :class:`~cluster.cache.client.CacheClient`: ``headers`` (once per request, on the staging
 thread) maps the request's objects from the node's object store exactly as ``fetch_layer``
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,10 +34,12 @@ log = logging.getLogger("kvblend.client")
 
 
 class RayHostLayers:
-    """:class:`tiers.staging.HostLayers` over a :class:`~cluster.cache.client.CacheClient`.
+    """:class:`tiers.host_layers.HostLayers` over a :class:`~cluster.cache.client.CacheClient`.
 
-    One request at a time (the staging thread's): ``headers`` replaces the set of objects
-    the following ``layer_into`` calls read from.
+    ``headers`` adds the request's mapped objects to an LRU that ``layer_views`` and
+    ``layer_into`` read from (keys are content-addressed: an object never changes under its
+    key); objects beyond the client's ``max_mapped_bytes`` are forgotten oldest first, never
+    those of the call that just mapped them.
     """
 
     def __init__(self, client) -> None:
@@ -44,7 +47,7 @@ class RayHostLayers:
         self.name = "ray"
         self.counters = ReadCounters()
         self._lock = threading.Lock()
-        self._mapped: dict[ChunkKey, np.ndarray | None] = {}
+        self._mapped: OrderedDict[ChunkKey, np.ndarray | None] = OrderedDict()
 
     def headers(self, keys: Sequence[ChunkKey]) -> list[ChunkHeader | None]:
         """Map the objects of ``keys`` (looked up first where unknown); each one's own header,
@@ -63,7 +66,16 @@ class RayHostLayers:
             else:
                 out.append(None)
         with self._lock:
-            self._mapped = mapped
+            for k, a in mapped.items():
+                self._mapped[k] = a
+                self._mapped.move_to_end(k)
+            held = sum(a.nbytes for a in self._mapped.values() if a is not None)
+            for k in list(self._mapped):
+                if held <= self.client.max_mapped_bytes:
+                    break
+                if k not in mapped:
+                    a = self._mapped.pop(k)
+                    held -= 0 if a is None else a.nbytes
         return out
 
     def layer_views(self, key: ChunkKey, header: ChunkHeader) -> list[np.ndarray] | None:

@@ -23,8 +23,8 @@ from blend.protocols import ChunkMeta
 from tiers.codec import encode_kv, layer_tensor
 from tiers.format import HEADER_PROBE_BYTES, FormatError, decode_layer, parse_header
 from tiers.host import HostTier
+from tiers.host_layers import TierLayers
 from tiers.keys import ChunkKey
-from tiers.staging import TierLayers
 from tiers.tier import Tier
 
 
@@ -133,8 +133,8 @@ class LocalCacheClient:
 
     def fetch_layers(self, keys: Sequence[ChunkKey],
                      layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
-        """:meth:`read_layer` of each key for each layer, as futures that read when their
-        result is first asked for, in the asking thread (no threads here; layers never asked
+        """:meth:`fetch_layer` of each layer, as futures that read when their result is first
+        asked for, in the asking thread (no threads here; layers never asked
         for are never read: a blend that falls back stops reading).
 
         Raises:
@@ -143,7 +143,7 @@ class LocalCacheClient:
         keys = list(keys)
         if any(i < 0 for i in layer_idxs):
             raise ValueError(f"layer_idxs {list(layer_idxs)} must be >= 0")
-        return [_Deferred(lambda i=i: [self.read_layer(k, i) for k in keys]) for i in layer_idxs]
+        return [_Deferred(lambda i=i: self.fetch_layer(keys, i).result()) for i in layer_idxs]
 
     def host_layers(self) -> TierLayers:
         """Where :class:`tiers.staging.StagedSource` copies this client's layers from (the

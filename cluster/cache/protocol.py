@@ -43,7 +43,7 @@ from tiers.keys import ChunkKey
 if TYPE_CHECKING:
     import torch
 
-    from tiers.staging import HostLayers
+    from tiers.host_layers import HostLayers
 
 
 @runtime_checkable

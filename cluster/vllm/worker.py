@@ -104,7 +104,8 @@ class KVBlendWorker:
                 self._source = build_worker_source(
                     self.client, adapter.device, adapter.spec.num_layers,
                     gpu_bytes=int(self.config.tiers.gpu_size_gib * 2**30),
-                    policy=self.config.tiers.eviction_policy)
+                    policy=self.config.tiers.eviction_policy,
+                    pinned_bytes=int(self.config.tiers.pinned_size_gib * 2**30))
                 self._engine = BlendEngine(adapter, self._source)
             return self._engine
 
@@ -344,3 +345,5 @@ class KVBlendWorker:
             self.flush(timeout_s=30.0)
         finally:
             self.stores.shutdown()
+            if self._source is not None:
+                self._source.close()  # staging threads, pinned memory

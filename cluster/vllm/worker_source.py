@@ -25,7 +25,6 @@ client; a client fault is the client's ``None``.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -39,25 +38,24 @@ from tiers.staging import StagedSource
 
 log = logging.getLogger("kvblend.connector")
 
-#: chunks collected layer by layer for the gpu tier at most (requests that stopped early)
-MAX_PARTIAL_CHUNKS = 4096
-
 
 def build_worker_source(client, device: str | torch.device, num_layers: int, *,
-                        gpu_bytes: int = 0, policy: str = "lru") -> WorkerKVSource:
+                        gpu_bytes: int = 0, policy: str = "lru", pinned_bytes: int = 8 << 30) -> WorkerKVSource:
     """The worker's KV source over ``client`` (see the module docstring).
 
     Args:
         client: a :class:`cluster.cache.protocol.CacheClientProtocol` (Ray or machine-local).
         device: the model's device; CUDA stages through pinned memory, anything else reads
             the client directly.
-        num_layers: layers per chunk (a chunk enters the gpu tier after its last layer).
+        num_layers: layers per chunk.
         gpu_bytes: capacity of the worker's gpu tier (0: none).
         policy: the gpu tier's eviction policy (``lru``/``lfu``).
+        pinned_bytes: page-locked host memory for hot chunks (CUDA; ``pinned_size_gib``).
     """
     device = torch.device(device)
     gpu = GpuTier(gpu_bytes, device=device, policy=policy) if gpu_bytes > 0 else None
-    reader = StagedSource(client.host_layers(), device) if device.type == "cuda" else client
+    reader = (StagedSource(client.host_layers(), device, pinned_bytes=pinned_bytes)
+              if device.type == "cuda" else client)
     return WorkerKVSource(client, gpu, num_layers, reader=reader)
 
 
@@ -78,8 +76,9 @@ class _After(Future):
         return super().result(timeout)
 
     def cancel(self) -> bool:
+        done = super().cancel()
         self._inner.cancel()
-        return super().cancel()
+        return done
 
 
 class WorkerKVSource:
@@ -88,7 +87,7 @@ class WorkerKVSource:
     Args:
         client: the cluster client (``lookup``; ``fetch_layers`` unless ``reader`` is given).
         gpu: the worker's gpu tier, or None.
-        num_layers: layers per chunk (a chunk enters the gpu tier after its last layer).
+        num_layers: layers per chunk.
         reader: where layers missing from the gpu tier are read (``fetch_layers``; default
             the client; :func:`build_worker_source` passes a staging source on CUDA).
     """
@@ -98,8 +97,6 @@ class WorkerKVSource:
         self.gpu = gpu
         self.num_layers = num_layers
         self.reader = reader if reader is not None else client
-        self._partial: dict[ChunkKey, list[torch.Tensor | None]] = {}
-        self._lock = threading.Lock()
 
     def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
         return self.client.lookup(keys)
@@ -118,12 +115,14 @@ class WorkerKVSource:
         keys, layer_idxs = list(keys), list(layer_idxs)
         if any(i < 0 for i in layer_idxs):
             raise ValueError(f"layer_idxs {layer_idxs} must be >= 0")
-        held = self.gpu.contains(keys) if self.gpu is not None else [False] * len(keys)
-        missing = [i for i, h in enumerate(held) if not h]
+        # each held chunk's whole [L, 2, T, H, D] once: an eviction meanwhile cannot empty a slot
+        held = [self.gpu.get(k) if self.gpu is not None else None for k in keys]
+        held = [kv if kv is not None and all(i < kv.shape[0] for i in layer_idxs) else None for kv in held]
+        missing = [i for i, kv in enumerate(held) if kv is None]
         inner = self.reader.fetch_layers([keys[i] for i in missing], layer_idxs) if missing else []
         outs: list[Future] = []
         for n, layer_idx in enumerate(layer_idxs):
-            local = [self.gpu.get_layer(k, layer_idx) if h else None for k, h in zip(keys, held, strict=True)]
+            local = [None if kv is None else kv[layer_idx] for kv in held]
             if not missing:
                 out: Future = Future()
                 out.set_result(local)
@@ -132,47 +131,27 @@ class WorkerKVSource:
             out = _After(inner[n])
             outs.append(out)
             inner[n].add_done_callback(
-                lambda fut, out=out, local=local, layer_idx=layer_idx: self._merge(
-                    fut, out, local, keys, missing, layer_idx))
+                lambda fut, out=out, local=local: self._merge(fut, out, local, missing))
         return outs
 
     def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future:
         """One layer (see :meth:`fetch_layers`)."""
         return self.fetch_layers(keys, [layer_idx])[0]
 
-    def _merge(self, fut: Future, out: Future, local: list, keys: list[ChunkKey], missing: list[int],
-               layer_idx: int) -> None:
-        """Done callback of a reader future: gpu-tier and read chunks in one list."""
-        if out.cancelled():
-            return
-        try:
-            got = list(fut.result())
-            ready = getattr(fut.result(), "ready", None)
-        except Exception:  # noqa: BLE001 - a reader fault (or a cancelled read) is a miss
-            got, ready = [None] * len(missing), None
+    def _merge(self, fut: Future, out: Future, local: list, missing: list[int]) -> None:
+        """Done callback of a reader future: gpu-tier and read chunks in one list (never
+        raises; a reader fault or a cancelled read is a miss in those slots)."""
         result = LayerBatch(local)
-        result.ready = ready
-        for i, t in zip(missing, got, strict=True):
-            result[i] = t
-            if t is not None and self.gpu is not None:
-                self._collect(keys[i], layer_idx, t, ready)
+        try:
+            got = fut.result()
+            result.ready = getattr(got, "ready", None)
+            for i, t in zip(missing, list(got), strict=True):
+                result[i] = t
+        except BaseException:  # noqa: BLE001 - CancelledError included: a miss
+            for i in missing:
+                result[i] = None
         if out.set_running_or_notify_cancel():
             out.set_result(result)
-
-    def _collect(self, key: ChunkKey, layer_idx: int, kv: torch.Tensor, ready) -> None:
-        if ready is not None:  # the gpu tier copies on this thread's stream: after the layer lands
-            torch.cuda.current_stream(kv.device).wait_event(ready)
-        with self._lock:
-            layers = self._partial.setdefault(key, [None] * self.num_layers)
-            if layer_idx >= len(layers):
-                return
-            layers[layer_idx] = kv
-            if any(t is None for t in layers):
-                if len(self._partial) > MAX_PARTIAL_CHUNKS:  # forget the oldest
-                    self._partial.pop(next(iter(self._partial)))
-                return
-            del self._partial[key]
-        self.gpu.put(key, torch.stack(layers))
 
     def remember(self, key: ChunkKey, kv: torch.Tensor) -> None:
         """Put a chunk the worker computed (``[L, 2, T, H, D]``) into the gpu tier."""

@@ -10,8 +10,9 @@ import torch
 from tests.factories import NAMESPACE, make_object
 from tiers.disk import DiskTier
 from tiers.host import HostTier
+from tiers.host_layers import TierLayers
 from tiers.keys import segment_key
-from tiers.staging import StagedSource, TierLayers
+from tiers.staging import StagedSource
 from tiers.tier import MemoryTier
 
 
@@ -138,8 +139,8 @@ def test_staging_stays_a_bounded_number_of_layers_ahead_of_the_consumer(tmp_path
 
 
 def test_a_chunk_used_again_is_read_from_pinned_memory_bit_exact():
-    """tiers.pinned: the first request stages through the slots and queues its chunks for
-    pinning; once pinned, the next request copies straight from pinned memory (no fill),
+    """tiers.pinned: a chunk's first use stages through the slots; from its second use it is
+    queued for pinning; once pinned, requests copy straight from pinned memory (no fill),
     bit for bit; an LRU too small for every chunk keeps what fits and evicts the rest."""
     chunks = _objects(num_layers=4)
     host = HostTier(1 << 26)
@@ -148,6 +149,8 @@ def test_a_chunk_used_again_is_read_from_pinned_memory_bit_exact():
     keys = list(chunks)
     src = StagedSource(host, "cpu")
     first = [f.result(timeout=30) for f in src.fetch_layers(keys, range(4))]
+    assert src.pinned.wait_idle(30) and src.pinned.stats()["num_chunks"] == 0  # seen once: not yet
+    [f.result(timeout=30) for f in src.fetch_layers(keys, range(4))]
     assert src.pinned.wait_idle(30) and src.pinned.stats()["num_chunks"] == 3
     before = src.transfer_stats().fill_bytes
     second = [f.result(timeout=30) for f in src.fetch_layers(keys, range(4))]
@@ -158,8 +161,46 @@ def test_a_chunk_used_again_is_read_from_pinned_memory_bit_exact():
     src.close()
     one = max(kv.numel() * kv.element_size() for kv in chunks.values())  # the largest chunk
     small = StagedSource(host, "cpu", pinned_bytes=one + 1)
-    [f.result(timeout=30) for f in small.fetch_layers(keys, range(4))]
+    for _ in range(2):
+        [f.result(timeout=30) for f in small.fetch_layers(keys, range(4))]
     assert small.pinned.wait_idle(30)
     stats = small.pinned.stats()
     assert stats["num_chunks"] == 1 and stats["evicted"] == 2 and stats["bytes_used"] <= one + 1
     small.close()
+
+
+def test_a_reader_that_fails_resolves_every_layer_as_a_miss():
+    class Broken:
+        name = "broken"
+
+        def headers(self, keys):
+            raise RuntimeError("shard died")
+
+        def layer_into(self, key, header, layer_idx, out):
+            raise AssertionError("not reached")
+
+    src = StagedSource(Broken(), "cpu")
+    keys = list(_objects())
+    assert [f.result(timeout=10) for f in src.fetch_layers(keys, range(3))] == [[None] * 3] * 3
+    src.close()
+
+
+def test_a_paused_consumer_does_not_hold_up_the_next_request():
+    """An async blend takes its layers across engine steps: while it pauses, a newer request
+    on the same source is staged at once, not after the take timeout."""
+    import time
+
+    chunks = _objects(num_layers=6)
+    host = HostTier(1 << 26)
+    for key, kv in chunks.items():
+        host.put(key, make_object(key, kv))
+    keys = list(chunks)
+    src = StagedSource(host, "cpu", max_ahead=1, take_timeout_s=20.0)
+    paused = src.fetch_layers(keys, range(6))
+    paused[0].result(timeout=5)  # takes one layer, then pauses
+    t0 = time.monotonic()
+    newer = src.fetch_layers(keys, [4])[0].result(timeout=10)
+    assert time.monotonic() - t0 < 5.0 and torch.equal(newer[0], chunks[keys[0]][4])
+    for layer, fut in enumerate(paused):  # the paused request still gets every layer, exact
+        assert torch.equal(fut.result(timeout=10)[1], chunks[keys[1]][layer])
+    src.close()

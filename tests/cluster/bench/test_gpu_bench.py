@@ -31,11 +31,17 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     rc = main(["bench", "gpu", "--json", str(path), "--tiny", "--device", "cpu", "--lengths", "300",
                "--chunk-tokens", "64", "--repeats", "1", "--disk-dir", str(tmp_path / "disk")])
     assert rc == 0
-    row = json.loads(path.read_text())["results"]["300"]
-    for key in ("full_s", "blend_gpu_s", "blend_host_s", "blend_disk_s", "ratio_host", "h2d_gbps",
-                "h2d_baseline_gbps", "overlap"):
-        assert isinstance(row[key], float) and row[key] >= 0, key
-    assert row["ratio_host"] == pytest.approx(row["blend_host_s"] / row["full_s"])
-    assert row["overlap"] == pytest.approx(row["blend_host_s"] / row["blend_gpu_s"])
-    assert row["selected_tokens"] == num_to_select(row["reused_tokens"], 0.15)
-    assert row["disk_read_counters"]["hits"] > 0 and row["disk_read_counters"]["corrupt"] == 0
+    out = json.loads(path.read_text())
+    assert out["ratios"] == [0.05, 0.15, 0.3] and "build_worker_source" in out["source"]
+    row = out["results"]["300"]
+    assert row["repeats"] == 1 and row["full_min_s"] <= row["full_s"] <= row["full_max_s"]
+    for ratio, cell in row["by_ratio"].items():
+        for key in ("full_s", "blend_gpu_s", "blend_host_s", "blend_host_cold_s", "blend_disk_s",
+                    "ratio_host", "h2d_gbps", "h2d_baseline_gbps", "overlap"):
+            assert isinstance(cell[key], float) and cell[key] >= 0, key
+        for tier in ("gpu", "host", "host_cold", "disk"):
+            assert cell[f"blend_{tier}_min_s"] <= cell[f"blend_{tier}_s"] <= cell[f"blend_{tier}_max_s"]
+        assert cell["ratio_host"] == pytest.approx(cell["blend_host_s"] / row["full_s"])
+        assert cell["overlap"] == pytest.approx(cell["blend_host_s"] / cell["blend_gpu_s"])
+        assert cell["selected_tokens"] == num_to_select(cell["reused_tokens"], float(ratio))
+        assert cell["disk_read_counters"]["hits"] > 0

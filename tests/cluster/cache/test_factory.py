@@ -13,7 +13,7 @@ from cluster.cache.local import LocalCacheClient, local_client
 from cluster.config import load_config
 from tests.factories import NAMESPACE, make_key, make_kv
 from tiers.disk import DiskTier
-from tiers.tier import MemoryTier
+from tiers.host import HostTier
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_a_disk_cache_that_cannot_be_opened_falls_back_to_memory(config, monkeyp
     monkeypatch.setattr(factory, "local_client", no_disk)
     ns = _namespace()
     client = factory.make_client(config, ns, fallback_on_error=True)
-    assert isinstance(client.tier, MemoryTier)
+    assert isinstance(client.tier, HostTier)
     assert factory.make_client(config, ns, fallback_on_error=True) is client    # the scheduler and worker share it
     assert "cache client unavailable (PermissionError: read-only file system)" in caplog.text
 

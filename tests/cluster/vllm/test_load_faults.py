@@ -49,6 +49,7 @@ def _use_client(llm, client, monkeypatch) -> None:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
     for obj in (worker, scheduler, worker._source, worker.stores):
         monkeypatch.setattr(obj, "client", client)
+    monkeypatch.setattr(worker._source, "reader", client)  # the CPU worker reads the client directly
     monkeypatch.setattr(worker._source, "gpu", None)
 
 

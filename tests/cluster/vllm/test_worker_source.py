@@ -37,20 +37,43 @@ def _key(i: int) -> ChunkKey:
     return ChunkKey("ns", "seg", f"{i:032x}")
 
 
-def test_chunks_read_through_the_client_are_kept_in_the_gpu_tier():
+def test_gpu_tier_chunks_are_served_there_and_the_rest_through_the_client():
+    """Chunks the worker computed (``remember``) come from the gpu tier, bit for bit, with no
+    client read; the others through the client; a chunk read through the client is not put
+    into the gpu tier (a blend never reads a whole chunk: its layers start at the check layer)."""
     chunks = {_key(i): torch.randn(L, 2, T, H, D) for i in range(2)}
     client = _Client(chunks)
     src = WorkerKVSource(client, GpuTier(1 << 20), num_layers=L)
-    keys = [_key(0), _key(1), _key(9)]  # the last one is cached nowhere
-    first = [src.fetch_layer(keys, layer).result() for layer in range(L)]
-    assert len(client.reads) == L and src.gpu_hits(keys) == 2
-    for layer, got in enumerate(first):
-        assert torch.equal(got[0], chunks[_key(0)][layer]) and got[2] is None
+    src.remember(_key(0), chunks[_key(0)])
+    keys = [_key(0), _key(1), _key(9)]  # in the gpu tier, at the client, cached nowhere
+    got = [f.result(timeout=30) for f in src.fetch_layers(keys, range(1, L))]
+    assert client.reads == [((_key(1), _key(9)), layer) for layer in range(1, L)]
+    for layer, row in zip(range(1, L), got, strict=True):
+        assert torch.equal(row[0], chunks[_key(0)][layer]) and torch.equal(row[1], chunks[_key(1)][layer])
+        assert row[2] is None
+    assert src.gpu_hits(keys) == 1
     client.reads.clear()
-    again = [src.fetch_layer(keys[:2], layer).result() for layer in range(L)]
-    assert client.reads == []  # served by the gpu tier, bit for bit
-    for layer, got in enumerate(again):
-        assert torch.equal(got[1], chunks[_key(1)][layer])
+    again = [f.result(timeout=30) for f in src.fetch_layers([_key(0)], range(L))]
+    assert client.reads == [] and all(torch.equal(a[0], chunks[_key(0)][i]) for i, a in enumerate(again))
+
+
+def test_a_failing_or_cancelled_read_is_a_miss_never_a_hang():
+    class Broken(_Client):
+        def fetch_layer(self, keys, layer_idx):
+            f: Future = Future()
+            f.set_exception(RuntimeError("shard died"))
+            return f
+
+    src = WorkerKVSource(Broken({}), None, num_layers=L)
+    assert [f.result(timeout=5) for f in src.fetch_layers([_key(0)], range(L))] == [[None]] * L
+    pending: Future = Future()
+
+    class Stuck(_Client):
+        def fetch_layers(self, keys, layer_idxs):
+            return [pending for _ in layer_idxs]
+
+    out = WorkerKVSource(Stuck({}), None, num_layers=L).fetch_layers([_key(0)], [1])[0]
+    assert out.cancel() and pending.cancelled()  # cancelling the merged future cancels the read
 
 
 def test_no_gpu_tier_reads_every_layer_from_the_client():
@@ -65,10 +88,10 @@ def test_no_gpu_tier_reads_every_layer_from_the_client():
     assert src.gpu_hits([_key(0)]) == 0
 
 
-def test_built_source_on_cpu_reads_the_client_and_keeps_what_it_read():
+def test_built_source_on_cpu_reads_the_client_directly():
     """build_worker_source (the worker's and bench gpu's one builder): on the CPU it reads the
     client directly (no staging), every layer of a request from one fetch_layers call, bit
-    for bit; a chunk whose every layer passed lands in the gpu tier."""
+    for bit."""
     client = LocalCacheClient()
     chunks = {_key(i): torch.randn(L, 2, T, H, D) for i in range(2)}
     for k, kv in chunks.items():
@@ -81,5 +104,5 @@ def test_built_source_on_cpu_reads_the_client_and_keeps_what_it_read():
         got = fut.result(timeout=30)
         assert torch.equal(got[0], chunks[_key(0)][layer]) and torch.equal(got[1], chunks[_key(1)][layer])
         assert got[2] is None
-    assert src.gpu_hits(keys) == 2
+    assert src.gpu_hits(keys) == 0  # reads are not put into the gpu tier
     assert build_worker_source(client, "cpu", L).gpu is None  # gpu_bytes 0: no gpu tier
