@@ -133,7 +133,7 @@ class PinnedChunks:
                     e.users -= 1
             victims = self._victims()
         for v in victims:
-            v.release()
+            _release(v)
 
     def pin_later(self, key: ChunkKey, views: Sequence[np.ndarray]) -> None:
         """Copy ``views`` (the chunk's checked raw layers) into pinned memory in the background,
@@ -163,10 +163,14 @@ class PinnedChunks:
                 self.counters["dropped"] += 1
 
     def _loop(self) -> None:
-        if self.register and self.device is not None:
-            import torch
+        index = getattr(self.device, "index", None)
+        if self.register and index is not None:
+            try:
+                import torch
 
-            torch.cuda.set_device(self.device)  # register in the worker's device context
+                torch.cuda.set_device(index)  # register in the worker's device's context
+            except Exception as e:  # noqa: BLE001 - portable registration works from any device
+                log.warning("pinning thread: set_device(%s) failed (%s)", index, e)
         while True:
             item = self._queue.get()
             if item is None:
@@ -187,7 +191,7 @@ class PinnedChunks:
                 self.counters["pinned"] += 1
                 victims = self._victims()
             for v in victims:
-                v.release()
+                _release(v)
 
     def _victims(self) -> list[PinnedChunk]:
         """Least recently used entries not in use, until within capacity (lock held)."""
@@ -223,7 +227,7 @@ class PinnedChunks:
             victims = self._victims()
             self.capacity_bytes = keep
         for v in victims:
-            v.release()
+            _release(v)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -243,4 +247,11 @@ class PinnedChunks:
             self._entries.clear()
             self._bytes = 0
         for e in entries:
-            e.release()
+            _release(e)
+
+
+def _release(entry: PinnedChunk) -> None:
+    try:
+        entry.release()
+    except Exception as e:  # noqa: BLE001 - a failed unregister must not stop the pinning thread
+        log.warning("releasing pinned %s failed (%s: %s)", entry.key, type(e).__name__, e)

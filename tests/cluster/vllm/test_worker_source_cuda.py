@@ -84,6 +84,12 @@ def test_built_source_stages_on_cuda_and_ratio_one_is_full_prefill(setup):
         for a, b in zip(res.kv, full.kv, strict=True):
             torch.testing.assert_close(a, b, **F32_TOL)
     assert sources["host"].reader.transfer_stats().num_bytes > 0
+    # used twice now: the host source pins the chunks (registered memory) and reads them
+    # from there, still exact
+    pinned = sources["host"].reader.pinned
+    assert pinned.wait_idle(60) and pinned.stats()["num_chunks"] == len(keys), pinned.stats()
+    res = BlendEngine(adapter, sources["host"]).blend(plan)
+    torch.testing.assert_close(res.logits, full.logits, **F32_TOL)
 
 
 def test_compute_stream_waits_on_each_layers_copy_event(setup, monkeypatch):
