@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterator
 
 POLICIES = ("lru", "lfu")
 
@@ -84,32 +84,48 @@ class EvictionIndex:
         self._counts[key] += 1
         self._stamp(key)
 
-    def _victim_order(self) -> Iterable[Hashable]:
-        if self.policy == "lru":
-            yield from self._sizes
-            return
-        # LFU: pop valid heap entries in (count, tick) order without disturbing the heap.
-        heap = list(self._heap)
+    def _pop_live(self, taken: list) -> Iterator[Hashable]:
+        """LFU keys in (count, tick) order, popped off the heap: stale entries are dropped for
+        good (each was pushed once), live ones are appended to ``taken`` for the caller to
+        push back. O(log n) per entry, never a copy of the heap."""
+        heap = self._heap
         while heap:
-            count, tick, _seq, key = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            count, tick, _seq, key = entry
             if key in self._sizes and self._counts[key] == count and self._ticks[key] == tick:
+                taken.append(entry)
                 yield key
 
     def plan(self, nbytes: int) -> list[Hashable] | None:
         """Victims (in eviction order) that make ``nbytes`` more fit, or None when even
-        evicting every unpinned key would not. Changes nothing."""
+        evicting every unpinned key would not. Changes nothing (the LFU heap only loses
+        stale entries). O(1) when it fits; else O(victims + pinned keys passed over) steps,
+        each O(log n) for LFU (plus stale heap entries, paid for by the pushes that made them)."""
         if nbytes > self.capacity_bytes:
             return None
         need = self.used_bytes + nbytes - self.capacity_bytes
+        if need <= 0:
+            return []
+        if self.policy == "lru":
+            return self._take(iter(self._sizes), need)
+        taken: list[tuple[int, int, int, Hashable]] = []
+        try:
+            return self._take(self._pop_live(taken), need)
+        finally:
+            for entry in taken:
+                heapq.heappush(self._heap, entry)
+
+    def _take(self, order: Iterator[Hashable], need: int) -> list[Hashable] | None:
+        """The first unpinned keys of ``order`` holding at least ``need`` (> 0) bytes."""
         victims: list[Hashable] = []
-        for key in self._victim_order():
-            if need <= 0:
-                break
+        for key in order:
             if self._pins.get(key, 0) > 0:
                 continue
             victims.append(key)
             need -= self._sizes[key]
-        return victims if need <= 0 else None
+            if need <= 0:
+                return victims
+        return None
 
     def admit(self, key: Hashable, nbytes: int) -> list[Hashable] | None:
         """Add ``key`` of ``nbytes``, removing victims first.

@@ -44,6 +44,7 @@ import torch
 
 from blend.protocols import ChunkMeta, fetch_each
 from cluster.cache.connect import connect
+from cluster.cache.headers import HeaderCache
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.placement import Placement
 from cluster.cache.puts import ShardWriter
@@ -57,8 +58,10 @@ from tiers.stack import TierStack
 
 log = logging.getLogger("kvblend.client")
 
-#: chunk headers remembered after lookups (LRU); a forgotten one costs the next lookup a parse
-MAX_CACHED_HEADERS = 65536
+#: bytes of chunk headers remembered after lookups (LRU, by :func:`cluster.cache.headers.entry_nbytes`,
+#: ~20 KB for 32 layers of 256 tokens); a forgotten one costs the next lookup a parse. By count
+#: (65536) it was ~1.2 GiB of a 32-layer model's headers.
+MAX_CACHED_HEADER_BYTES = 64 << 20
 #: Several clients share a node's object store (2 GiB by default): at 1 GiB each, two vLLM
 #: workers' clients filled it and the shard's promotions from disk failed (the demo,
 #: 2026-11-29: 3 of 16 requests fell back to full prefill). One request maps ~140 MB here.
@@ -114,7 +117,7 @@ class CacheClient:
         if connect(config.cluster) is None:
             raise ConnectionError(f"Ray is not reachable at ray_address={config.cluster.ray_address!r}")
         self._lock = threading.Lock()
-        self._meta: OrderedDict[ChunkKey, _Entry] = OrderedDict()
+        self._meta: HeaderCache = HeaderCache()  # ChunkKey -> _Entry, oldest first
         # key -> (mapped object, its own header): a tier may re-encode a chunk (lz4 below
         # memory), so offsets come from the object's header, not the one a lookup returned
         self._objects: OrderedDict[ChunkKey, tuple[np.ndarray, ChunkHeader]] = OrderedDict()
@@ -232,8 +235,7 @@ class CacheClient:
         with self._lock:
             self._meta[key] = entry
             self._meta.move_to_end(key)
-            while len(self._meta) > MAX_CACHED_HEADERS:
-                old, _ = self._meta.popitem(last=False)
+            for old in self._meta.trim(MAX_CACHED_HEADER_BYTES):
                 self._objects.pop(old, None)
 
     def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future[list[torch.Tensor | None]]:

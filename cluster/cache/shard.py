@@ -58,6 +58,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -73,6 +74,10 @@ from tiers.reader import read_header, validate_object
 from tiers.stack import TierStack
 
 log = logging.getLogger("kvblend.shard")
+
+#: prefetched chunks remembered until served (only to count ``prefetch_hits``); beyond it the
+#: oldest is forgotten (a later read of it is then not counted as a prefetch hit)
+MAX_PREFETCHED = 65536
 
 
 class CacheShard:
@@ -115,7 +120,7 @@ class CacheShard:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-shard")
         self._lock = threading.Lock()
         self._promoting: dict[ChunkKey, Future] = {}
-        self._prefetched: set[ChunkKey] = set()
+        self._prefetched: OrderedDict[ChunkKey, None] = OrderedDict()  # oldest first
         self._writes: set[Future] = set()
         self.counters = dict.fromkeys(
             ("lookups", "misses", "read_errors", "puts", "put_rejected", "prefetch_started",
@@ -171,7 +176,10 @@ class CacheShard:
         self._count("promotions")
         if prefetch:
             with self._lock:
-                self._prefetched.add(key)
+                self._prefetched[key] = None
+                self._prefetched.move_to_end(key)
+                while len(self._prefetched) > MAX_PREFETCHED:
+                    self._prefetched.popitem(last=False)
         return ref
 
     def _promote_async(self, key: ChunkKey) -> None:
@@ -263,7 +271,7 @@ class CacheShard:
             if entry is not None:
                 with self._lock:
                     was_prefetched = key in self._prefetched
-                    self._prefetched.discard(key)
+                    self._prefetched.pop(key, None)
                 if was_prefetched:
                     self._count("prefetch_hits")
                     self.metrics.inc("kvblend_prefetch_hits")
@@ -280,7 +288,7 @@ class CacheShard:
                     ref = None
                 if ref is not None:  # the prefetch was already under way: it saved time
                     with self._lock:
-                        self._prefetched.discard(key)
+                        self._prefetched.pop(key, None)
                     self._count("prefetch_hits")
                     self.metrics.inc("kvblend_prefetch_hits")
             if ref is None:

@@ -1,0 +1,86 @@
+"""The client's cache of parsed chunk headers: an LRU bounded by an estimate of its bytes.
+
+A header's size grows with its layers (one :class:`tiers.format.LayerEntry` each) and
+position runs, and the client's entry keeps the expanded position list (one slot per
+token) once asked for it, so a bound by count alone does not bound memory: 65536 headers of
+a 32-layer model of 256-token chunks are ~1.2 GiB. :class:`HeaderCache` keeps a running
+:func:`entry_nbytes` total through every insertion and removal and :meth:`HeaderCache.trim`
+drops the oldest entries until it is within a budget.
+
+The estimate (measured with ``tracemalloc`` on CPython 3.11, 32 layers, 256 tokens:
+~8.6 KB per parsed header with one run, +77 B per further run, ~40 B per position) errs
+high; it is a bound for eviction, not an accounting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+#: the entry, its header object, the key strings and the ordered-dict slot
+HEADER_OVERHEAD_BYTES = 1024
+#: one LayerEntry (a frozen dataclass of five ints) in the header's tuple
+LAYER_ENTRY_BYTES = 288
+#: one (start, length) position run
+POSITION_RUN_BYTES = 96
+#: one token of the entry's expanded position tuple (a slot plus an int object)
+POSITION_BYTES = 40
+
+
+def entry_nbytes(entry) -> int:
+    """Estimated bytes one cached entry (anything with a ``.header``, a
+    :class:`tiers.format.ChunkHeader`) holds, its position list included."""
+    h = entry.header
+    return (HEADER_OVERHEAD_BYTES + LAYER_ENTRY_BYTES * len(h.layers)
+            + POSITION_RUN_BYTES * len(h.positions) + POSITION_BYTES * h.num_tokens)
+
+
+class HeaderCache(OrderedDict):
+    """An ``OrderedDict`` (oldest first) of ``key -> entry`` that keeps :attr:`nbytes`, the
+    sum of :func:`entry_nbytes` over its entries, through ``[]=``, ``del``, ``pop``,
+    ``popitem`` and ``clear``. Not thread-safe by itself (the client holds its lock)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.nbytes = 0
+        super().__init__(*args, **kwargs)
+
+    # pop and popitem remove through this class's __delitem__, never OrderedDict's own pop
+    # (whether that calls a subclass's __delitem__ is an implementation detail)
+    def __setitem__(self, key: Hashable, entry) -> None:
+        if key in self:
+            self.nbytes -= entry_nbytes(super().__getitem__(key))
+        super().__setitem__(key, entry)
+        self.nbytes += entry_nbytes(entry)
+
+    def __delitem__(self, key: Hashable) -> None:
+        entry = super().__getitem__(key)
+        super().__delitem__(key)
+        self.nbytes -= entry_nbytes(entry)
+
+    def pop(self, key: Hashable, *default):
+        if key not in self:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        entry = super().__getitem__(key)
+        self.__delitem__(key)
+        return entry
+
+    def popitem(self, last: bool = True):
+        if not self:
+            raise KeyError("dictionary is empty")
+        key = next(reversed(self)) if last else next(iter(self))
+        entry = super().__getitem__(key)
+        self.__delitem__(key)
+        return key, entry
+
+    def clear(self) -> None:
+        super().clear()
+        self.nbytes = 0
+
+    def trim(self, max_bytes: int) -> list[Hashable]:
+        """Drop the oldest entries until :attr:`nbytes` <= ``max_bytes``; returns their keys."""
+        dropped = []
+        while self.nbytes > max_bytes and self:
+            dropped.append(self.popitem(last=False)[0])
+        return dropped
