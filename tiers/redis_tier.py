@@ -7,6 +7,9 @@
 * Layer reads are ``GETRANGE`` (one pipelined round trip for all ranges of a call); the
   header probe is one ``GETRANGE 0 HEADER_PROBE_BYTES-1`` (Redis clamps it to the value).
 * ``contains`` pipelines ``EXISTS`` per key: one round trip for the batch.
+* :meth:`RedisTier.clear` (``kvblend clear --shared``) deletes the chunk objects of one
+  namespace, or all, under ``key_prefix``: ``SCAN`` with a ``MATCH`` on the prefix, only keys
+  that parse as chunk keys, ``UNLINK`` in batches; never ``FLUSHDB``.
 * redis-py with hiredis (when installed) and a connection pool; password, db and TLS come
   from the URL (``redis://:password@host:port/db``, ``rediss://`` for TLS).
 * A value larger than the server's ``proto-max-bulk-len`` (read once with ``CONFIG GET``;
@@ -16,13 +19,15 @@
 Failure behaviour: every command runs with ``socket_timeout=timeout_s`` (connect too). A
 timeout, a refused connection, a dead or restarting server or any other ``RedisError`` /
 ``OSError`` is a miss (``None``/``False``) counted in ``stats()['errors']``; nothing raises
-to the caller except caller mistakes (``ValueError``). The pool reconnects by itself once
-the server is back.
+to the caller except caller mistakes (``ValueError``) and the administrative :meth:`clear`,
+which raises ``OSError`` so that ``kvblend clear`` can report a failed clear. The pool
+reconnects by itself once the server is back.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Sequence
 
@@ -33,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _COUNTERS = ("hits", "misses", "errors", "puts", "too_large", "bytes_read", "bytes_written")
 _DEFAULT_MAX_BULK = 512 * 1024 * 1024
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
 class RedisTier:
@@ -216,6 +222,57 @@ class RedisTier:
             self._error("delete", f"{len(keys)} keys", e)
             return 0
 
+    def clear(self, namespace: str | None = None, *, batch: int = 500) -> int:
+        """Delete every chunk object (of ``namespace`` when given) under ``key_prefix``;
+        returns how many were deleted. ``SCAN`` with ``MATCH <prefix>[<namespace>/]*``; only
+        keys whose rest parses as a :class:`~tiers.keys.ChunkKey` are removed (``UNLINK``,
+        ``DEL`` where the server lacks it), ``batch`` at a time; other keys of the server,
+        under the prefix or not, stay. Never ``FLUSHDB``.
+
+        Raises:
+            ValueError: ``namespace`` is not a valid key part, or ``batch`` < 1.
+            OSError: the server failed or is unreachable (the message says how many were
+                deleted before).
+        """
+        pattern = _glob_escape(self.key_prefix) + _namespace_part(namespace) + "*"
+        if batch < 1:
+            raise ValueError(f"batch={batch} must be >= 1")
+        deleted = 0
+        pending: list[bytes] = []
+        try:
+            for raw in self._client.scan_iter(match=pattern, count=max(batch, 100)):
+                if self._is_chunk_key(raw, namespace):
+                    pending.append(raw)
+                if len(pending) >= batch:
+                    deleted += self._unlink(pending)
+                    pending = []
+            if pending:
+                deleted += self._unlink(pending)
+        except self._errors() as e:
+            self._error("clear", namespace or "all", e)
+            raise OSError(f"redis clear failed after deleting {deleted} chunk object(s): "
+                          f"{type(e).__name__}: {e}") from None
+        return deleted
+
+    def _is_chunk_key(self, raw: bytes | str, namespace: str | None) -> bool:
+        try:
+            text = raw.decode() if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError:
+            return False
+        if not text.startswith(self.key_prefix):
+            return False
+        try:
+            key = ChunkKey.parse(text[len(self.key_prefix):])
+        except ValueError:
+            return False
+        return namespace is None or key.namespace == namespace
+
+    def _unlink(self, names: list[bytes]) -> int:
+        try:
+            return int(self._client.unlink(*names))
+        except self._redis_mod.ResponseError:  # UNLINK renamed/disabled: plain DEL
+            return int(self._client.delete(*names))
+
     def stats(self) -> dict[str, float]:
         with self._lock:
             # the server owns capacity and usage (maxmemory, TTL); not tracked here
@@ -224,6 +281,19 @@ class RedisTier:
     def close(self) -> None:
         """Release the pooled connections."""
         self._client.close()
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis ``MATCH`` pattern."""
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def _namespace_part(namespace: str | None) -> str:
+    """``'<namespace>/'`` (validated as a key part) or '' for all namespaces."""
+    if namespace is None:
+        return ""
+    ChunkKey(namespace, "seg", "x")  # raises ValueError on a malformed namespace
+    return namespace + "/"
 
 
 def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:

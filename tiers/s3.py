@@ -14,6 +14,10 @@
 * Layer reads are ranged ``GetObject`` (adjacent ranges coalesced into one request) and
   :meth:`S3Tier.get_ranges_into` streams a response straight into the caller's buffer.
 * ``contains`` is ``HeadObject`` per key on a small thread pool.
+* :meth:`S3Tier.clear` (``kvblend clear --shared``) deletes the chunk objects of one
+  namespace, or all, under the prefix: ``ListObjectsV2`` (paginated) on
+  ``<prefix>[<namespace>/]``, only keys whose rest parses as a chunk key, ``DeleteObjects``
+  up to 1000 keys a request.
 * boto3 client with ``retries={"mode": "standard"}`` (exponential backoff with jitter for
   throttling and 5xx), ``endpoint_url`` for S3-compatible stores; credentials from the
   standard AWS chain (environment, config files, instance/IRSA roles), never logged.
@@ -22,7 +26,8 @@ Failure behaviour: connect and read timeouts are ``timeout_s`` per attempt, with
 ``max_attempts`` attempts. After the retries, any error (throttling, 5xx, a dead endpoint,
 ``InvalidRange``, bad credentials) is a miss / a failed put, counted in
 ``stats()['errors']``; a missing object (404) counts ``misses``. Nothing raises to the
-caller except caller mistakes (``ValueError``).
+caller except caller mistakes (``ValueError``) and the administrative :meth:`S3Tier.clear`,
+which raises ``OSError`` so that ``kvblend clear`` can report a failed clear.
 """
 
 from __future__ import annotations
@@ -294,6 +299,65 @@ class S3Tier:
             except self._errors() as e:
                 self._fail("delete", f"{len(batch)} keys", e)
         return n
+
+    def clear(self, namespace: str | None = None, *, batch: int = 1000) -> int:
+        """Delete every chunk object (of ``namespace`` when given) under this tier's prefix;
+        returns how many were deleted. Lists ``<prefix>[<namespace>/]`` with paginated
+        ``ListObjectsV2`` and removes only keys whose rest parses as a
+        :class:`~tiers.keys.ChunkKey` with ``DeleteObjects``, ``batch`` (at most 1000) keys a
+        request; other objects of the bucket stay.
+
+        Raises:
+            ValueError: ``namespace`` is not a valid key part, or ``batch`` not in 1..1000.
+            OSError: listing or deleting failed (the message says how many were deleted).
+        """
+        if namespace is not None:
+            ChunkKey(namespace, "seg", "x")  # raises ValueError on a malformed namespace
+        if not 1 <= batch <= 1000:
+            raise ValueError(f"batch={batch} must be in 1..1000 (the DeleteObjects limit)")
+        list_prefix = self.prefix + (f"{namespace}/" if namespace is not None else "")
+        deleted, failed = 0, 0
+        pending: list[str] = []
+
+        def flush() -> None:
+            nonlocal deleted, failed
+            got = self._client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": k} for k in pending], "Quiet": True})
+            errors = got.get("Errors") or []
+            for err in errors[:3]:
+                log.warning("s3 tier clear: %s not deleted: %s", err.get("Key"), err.get("Code"))
+            failed += len(errors)
+            deleted += len(pending) - len(errors)
+            pending.clear()
+
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=list_prefix, PaginationConfig={"PageSize": batch})
+            for page in pages:
+                for obj in page.get("Contents") or []:
+                    if self._is_chunk_key(obj["Key"], namespace):
+                        pending.append(obj["Key"])
+                    if len(pending) >= batch:
+                        flush()
+            if pending:
+                flush()
+        except self._errors() as e:
+            self._fail("clear", list_prefix, e)
+            raise OSError(f"s3 clear failed after deleting {deleted} chunk object(s): "
+                          f"{self._code(e)}") from None
+        if failed:
+            self._count("errors", failed)
+            raise OSError(f"s3 clear deleted {deleted} chunk object(s) but {failed} failed")
+        return deleted
+
+    def _is_chunk_key(self, object_key: str, namespace: str | None) -> bool:
+        if not object_key.startswith(self.prefix):
+            return False
+        try:
+            key = ChunkKey.parse(object_key[len(self.prefix):])
+        except ValueError:
+            return False
+        return namespace is None or key.namespace == namespace
 
     def stats(self) -> dict[str, float]:
         with self._lock:

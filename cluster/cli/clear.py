@@ -1,40 +1,116 @@
-"""``kvblend clear [--namespace NS]``: delete cached chunks from every shard's tiers.
+"""``kvblend clear [--namespace NS] [--shared]``: delete cached chunks.
 
-Host memory and disk of every shard; Redis and S3 too when those tiers can list their keys.
+* Always: host memory and disk of every running shard (through Ray).
+* With ``--shared``: also the chunk objects in the shared tiers the config names (Redis under
+  its key prefix, the S3 prefix), opened directly (:func:`tiers.lower.shared_tiers`), so it
+  works with no shard running and even with no Ray at all. Those tiers are shared by every
+  deployment that uses them, hence the flag. Only keys that are chunk keys of ours are
+  deleted (Redis: ``SCAN MATCH <prefix>...`` + ``UNLINK``, never ``FLUSHDB``; S3: paginated
+  listing + ``DeleteObjects``); see :meth:`tiers.redis_tier.RedisTier.clear` and
+  :meth:`tiers.s3.S3Tier.clear`.
+* Without ``--shared``, when shared tiers are configured, one line says they were left alone.
+
 ``--namespace`` is a chunk-namespace digest (16 hex chars, the first part of a chunk key);
-without it everything is deleted.
+without it every namespace is deleted. Prints what was deleted per tier. Exit status: 0 when
+everything asked for was cleared; 1 when a shared tier failed, or nothing could be cleared
+(no shard reachable and, without ``--shared``, nothing else to do).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 
-from cluster.cli.connection import add_connection_arguments, connect_or_fail
+from cluster.cli.connection import add_connection_arguments, connection_overrides
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_connection_arguments(p)
-    p.add_argument("--namespace", help="only chunks of this namespace digest (16 hex chars)")
+    p.add_argument("--namespace", help="only chunks of this namespace digest (16 hex chars); default: all")
+    p.add_argument("--shared", action="store_true",
+                   help="also delete the chunks in the shared tiers of the config (Redis under its key "
+                        "prefix, the S3 bucket prefix), which every deployment using them shares; "
+                        "works without running shards or Ray. Without it Redis and S3 are left alone")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.namespace is not None and not re.fullmatch(r"[0-9a-f]{1,64}", args.namespace):
         raise ValueError(f"--namespace={args.namespace!r}: expected a namespace digest (hex)")
-    cfg, ray = connect_or_fail(args)
+    from cluster.config import load_config
+
+    cfg = load_config(args.config, overrides=connection_overrides(args))
+    if cfg.cluster.ray_address == "local":
+        raise ValueError("--address local starts a new empty Ray; give the running cluster's host:port")
+    what = f" of namespace {args.namespace}" if args.namespace else ""
+    shards_ok = _clear_shards(cfg, args.namespace, what, quiet_unreachable=args.shared)
+    configured = [name for name, url in (("redis", cfg.tiers.redis_url), ("s3", cfg.tiers.s3_url)) if url]
+    if not args.shared:
+        if configured:
+            print(f"left the shared tiers ({', '.join(configured)}) alone: "
+                  "run `kvblend clear --shared` to delete their chunks too")
+        return 0 if shards_ok else 1
+    if not configured:
+        print("no shared tiers configured (redis_url, s3_url): nothing more to clear")
+        return 0 if shards_ok else 1
+    return 0 if _clear_shared(cfg, args.namespace, what, configured) else 1
+
+
+def _clear_shards(cfg, namespace: str | None, what: str, quiet_unreachable: bool) -> bool:
+    """Host and disk of every running shard; False when none was reachable."""
+    from cluster.cache.connect import connect
+
+    ray = connect(cfg.cluster)
     if ray is None:
-        return 1
+        if quiet_unreachable:
+            print(f"no shards reachable (no Ray at {cfg.cluster.ray_address!r}): host/disk not cleared")
+        else:
+            print(f"kvblend: cannot reach Ray at {cfg.cluster.ray_address!r} (is `kvblend server` running?)",
+                  file=sys.stderr)
+        return False
     from cluster.cache.lifecycle import shard_names
 
     if not shard_names(cfg.cluster.ray_namespace):
-        print("no shards running: nothing to clear")
-        return 1
+        print("no shards running: host/disk not cleared")
+        return False
     from cluster.cache.client import CacheClient
 
-    client = CacheClient(cfg, args.namespace)
+    client = CacheClient(cfg, namespace)
     try:
-        n = client.clear(args.namespace)
+        n = client.clear(namespace)
     finally:
         client.close()
-    print(f"deleted {n} chunk(s)" + (f" of namespace {args.namespace}" if args.namespace else ""))
-    return 0
+    print(f"deleted {n} chunk(s){what} from the shards' host/disk tiers")
+    return True
+
+
+def _clear_shared(cfg, namespace: str | None, what: str, configured: list[str]) -> bool:
+    """Clear each configured shared tier directly; False when any could not be cleared."""
+    from tiers.lower import shared_tiers
+
+    tiers = shared_tiers(cfg.tiers)
+    ok = True
+    opened = {t.name for t in tiers}
+    for name in configured:
+        if name not in opened:  # shared_tiers logged why
+            print(f"{name}: could not be opened (see the warning above): not cleared", file=sys.stderr)
+            ok = False
+    for tier in tiers:
+        where = _describe(tier)
+        try:
+            n = tier.clear(namespace)
+        except OSError as e:
+            print(f"{tier.name} ({where}): {e}", file=sys.stderr)
+            ok = False
+            continue
+        finally:
+            tier.close()
+        print(f"{tier.name} ({where}): deleted {n} chunk object(s){what}")
+    return ok
+
+
+def _describe(tier) -> str:
+    """Where a shared tier's chunks live, without credentials."""
+    if hasattr(tier, "bucket"):
+        return f"s3://{tier.bucket}/{tier.prefix}"
+    return f"key prefix {tier.key_prefix!r}"
