@@ -254,7 +254,9 @@ class StagedSource:
         finally:
             self.pinned.release_all(pinned)
             for fut in req.futures:  # nothing left pending: the consumer never hangs
-                if fut.set_running_or_notify_cancel():
+                if fut.done():
+                    continue
+                if fut.running() or fut.set_running_or_notify_cancel():
                     fut.set_result(LayerBatch([None] * len(req.keys)))
 
     def _run_layers(self, req: _Request, headers, views, offsets, total: int, pinned) -> None:

@@ -204,3 +204,19 @@ def test_a_paused_consumer_does_not_hold_up_the_next_request():
     for layer, fut in enumerate(paused):  # the paused request still gets every layer, exact
         assert torch.equal(fut.result(timeout=10)[1], chunks[keys[1]][layer])
     src.close()
+
+
+def test_a_normal_request_logs_nothing_critical(caplog):
+    """Every future is resolved once: finishing a request never touches a future twice
+    (concurrent.futures logs CRITICAL and raises for a finished one)."""
+    import logging
+
+    chunks = _objects()
+    host = HostTier(1 << 26)
+    for key, kv in chunks.items():
+        host.put(key, make_object(key, kv))
+    src = StagedSource(host, "cpu")
+    with caplog.at_level(logging.WARNING):
+        [f.result(timeout=10) for f in src.fetch_layers(list(chunks), range(3))]
+        src.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
