@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tiers.codec import LayerBatch
 from tiers.keys import ChunkKey
 
-__all__ = ["BlendModel", "ChunkMeta", "KVSink", "KVSource", "LayerBatch", "ModelSpec", "fetch_each"]
+__all__ = ["BlendModel", "ChunkMeta", "KVSink", "KVSource", "LayerBatch", "ModelSpec", "fetch_each",
+           "fetch_in_order"]
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +76,28 @@ class KVSource(Protocol):
             ValueError: a negative layer index (at the call, not through a future).
         """
         ...
+
+
+def fetch_in_order(submit, read, keys: Sequence[ChunkKey],
+                   layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
+    """``fetch_layers`` for a source with a thread pool: one task (``submit(fn)``) reads
+    ``read(keys, l)`` for each layer in order and resolves its future (a cancelled one is
+    skipped). ``read`` must not raise (a fault is a list of None). One task, not one per
+    layer: per-layer tasks on several threads contend for the GIL (measured on the Ray
+    client, ``kvblend bench cluster``: client ratio 0.24-0.31 against 0.48 in order)."""
+    keys, layer_idxs = list(keys), list(layer_idxs)
+    if any(i < 0 for i in layer_idxs):
+        raise ValueError(f"layer_idxs {layer_idxs} must be >= 0")
+    futs: list[Future] = [Future() for _ in layer_idxs]
+
+    def run() -> None:
+        for layer_idx, fut in zip(layer_idxs, futs, strict=True):
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(read(keys, layer_idx))
+
+    if futs:
+        submit(run)
+    return futs
 
 
 def fetch_each(fetch_layer, keys: Sequence[ChunkKey],

@@ -42,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from blend.protocols import ChunkMeta, fetch_each
+from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.connect import connect
 from cluster.cache.headers import HeaderCache
 from cluster.cache.host_layers import RayHostLayers
@@ -58,9 +58,8 @@ from tiers.stack import TierStack
 
 log = logging.getLogger("kvblend.client")
 
-#: bytes of chunk headers remembered after lookups (LRU, by :func:`cluster.cache.headers.entry_nbytes`,
-#: ~20 KB for 32 layers of 256 tokens); a forgotten one costs the next lookup a parse. By count
-#: (65536) it was ~1.2 GiB of a 32-layer model's headers.
+#: bytes of chunk headers remembered after lookups (LRU by :func:`cluster.cache.headers.entry_nbytes`,
+#: ~20 KB for 32 layers of 256 tokens; by count, 65536, it was ~1.2 GiB); a forgotten one costs a parse.
 MAX_CACHED_HEADER_BYTES = 64 << 20
 #: Several clients share a node's object store (2 GiB by default): at 1 GiB each, two vLLM
 #: workers' clients filled it and the shard's promotions from disk failed (the demo,
@@ -264,8 +263,13 @@ class CacheClient:
 
     def fetch_layers(self, keys: Sequence[ChunkKey],
                      layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
-        """:meth:`fetch_layer` of every layer now (read by the client's threads)."""
-        return fetch_each(self.fetch_layer, keys, layer_idxs)
+        """Every layer of ``keys``, read in order by one of the client's threads (the first
+        maps the objects): :func:`blend.protocols.fetch_in_order`.
+
+        Raises:
+            ValueError: a negative layer index (at the call).
+        """
+        return fetch_in_order(self._pool.submit, self._fetch, keys, layer_idxs)
 
     def host_layers(self) -> RayHostLayers:
         """This client's layers as :class:`tiers.staging.StagedSource` reads them (pinned

@@ -92,7 +92,7 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     _use_client(llm, reader, monkeypatch)
     handle = get_shard(shard, config.cluster.ray_namespace)
     old_pid = ray.get(handle.ready.remote())["pid"]
-    real_fetch = reader.fetch_layer
+    real_fetch = reader._fetch  # noqa: SLF001 - the one per-layer read both fetch paths use
     killed: list[int] = []
 
     def kill_then_fetch(keys, layer_idx):
@@ -103,7 +103,7 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
                 redis.kill()
         return real_fetch(keys, layer_idx)
 
-    monkeypatch.setattr(reader, "fetch_layer", kill_then_fetch)
+    monkeypatch.setattr(reader, "_fetch", kill_then_fetch)
     ids, _ = build_blend_prompt(tokenizer, SYSTEM, [texts[2], texts[0], texts[1]],
                                 f"Question: which item is {seed * 10 + 1}? Answer:")
     fallbacks = worker.counters["fallbacks"]
