@@ -67,7 +67,7 @@ MAX_CACHED_HEADER_BYTES = 64 << 20
 DEFAULT_MAX_MAPPED_BYTES = 256 << 20
 
 COUNTERS = ("lookups", "hits", "misses", "read_errors", "shard_errors", "timeouts", "direct_reads",
-            "puts", "put_errors", "placement_moves", "layer_reads", "layer_misses")
+            "puts", "put_errors", "puts_dropped", "placement_moves", "layer_reads", "layer_misses")
 
 
 class _Entry:

@@ -20,7 +20,11 @@ bytes a promotion reads, a Redis/S3 hit is copied into it unchanged, and a resta
 finds the encoding it always wrote (readers slice each object with its own header, so
 encodings may differ between tiers). ``put`` writes the host tier at once and the lower tiers
 in the background (write-through: the disk so a restart loses nothing, Redis/S3 so other
-shards and clients with a dead owner still find it); ``drain`` waits for those writes. A
+shards and clients with a dead owner still find it); ``drain`` waits for those writes. The
+background writes are bounded (:data:`MAX_PENDING_WRITES`, :data:`MAX_PENDING_WRITE_BYTES`,
+from queued until in every lower tier): past the bound a put's write-down is dropped, counted
+``writes_dropped`` (one warning per shard) and the chunk stays in host memory only, so a slow
+or stuck tier never makes ``put`` — or the actor's callers — wait. A
 lookup that finds a chunk below host memory starts its promotion (prefetch) into host
 memory in the background. The stack's writes and corrupt copies feed the shard's counters
 and metrics (``on_event``).
@@ -78,6 +82,12 @@ log = logging.getLogger("kvblend.shard")
 #: prefetched chunks remembered until served (only to count ``prefetch_hits``); beyond it the
 #: oldest is forgotten (a later read of it is then not counted as a prefetch hit)
 MAX_PREFETCHED = 65536
+#: write-downs queued or running (each holds its put's object, pinned in the object store,
+#: until written to every lower tier); past it a put's write-down is dropped
+MAX_PENDING_WRITES = 256
+#: bytes of those objects: a quarter of the 2 GiB default ``object_store_gib`` (16-64 chunks of
+#: 8-32 MiB); one object larger than this is still written down when nothing else is pending
+MAX_PENDING_WRITE_BYTES = 512 * 2**20
 
 
 class CacheShard:
@@ -121,10 +131,13 @@ class CacheShard:
         self._lock = threading.Lock()
         self._promoting: dict[ChunkKey, Future] = {}
         self._prefetched: OrderedDict[ChunkKey, None] = OrderedDict()  # oldest first
-        self._writes: set[Future] = set()
+        # write-downs (own threads: promotions never queue behind them) -> object bytes
+        self._write_pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-shard-write")
+        self._writes: dict[Future, int] = {}
+        self._write_bytes = 0
         self.counters = dict.fromkeys(
             ("lookups", "misses", "read_errors", "puts", "put_rejected", "prefetch_started",
-             "prefetch_hits", "promotions", "write_errors"), 0)
+             "prefetch_hits", "promotions", "write_errors", "writes_dropped"), 0)
         self.counters.update({f"hits_{t.name}": 0 for t in [self.host, *self.lower]})
         self._publisher = threading.Thread(target=self._publish_loop, daemon=True)
         self._publisher.start()
@@ -193,13 +206,43 @@ class CacheShard:
         fut.add_done_callback(lambda _f, k=key: self._promoting.pop(k, None))
 
     def _write_down(self, key: ChunkKey, arr: np.ndarray, header) -> None:
-        """The stack's put (its top, the disk, here; Redis/S3 by its own threads): lz4, and
-        only into tiers lacking ``key`` (first wins); failures count ``write_errors``."""
+        """Into every lower tier lacking ``key`` (first wins), lz4-encoded once, on this
+        thread (so the bound covers Redis/S3 too); failures count ``write_errors``."""
         try:
-            self.lower_stack.put(key, arr, header)
+            self.lower_stack.store(key, arr, [t.name for t in self.lower], header=header)
         except (FormatError, ValueError) as e:
             log.debug("%s: write-down of %s failed: %s", self.name, key, e)
             self._count("write_errors")
+
+    def _submit_write(self, key: ChunkKey, obj: np.ndarray, header) -> bool:
+        """Queue ``obj``'s write-down unless :data:`MAX_PENDING_WRITES` or
+        :data:`MAX_PENDING_WRITE_BYTES` is reached; then drop it (``writes_dropped``, one
+        warning). Never waits. Returns whether it was queued."""
+        nbytes = int(obj.nbytes)
+        with self._lock:
+            full = len(self._writes) >= MAX_PENDING_WRITES or (
+                bool(self._writes) and self._write_bytes + nbytes > MAX_PENDING_WRITE_BYTES)
+            if full:
+                self.counters["writes_dropped"] += 1
+                first = self.counters["writes_dropped"] == 1
+                pending, pending_bytes = len(self._writes), self._write_bytes
+            else:
+                fut = self._write_pool.submit(self._write_down, key, obj, header)
+                self._writes[fut] = nbytes
+                self._write_bytes += nbytes
+        if full:
+            if first:
+                log.warning("%s: %d write-downs (%d bytes) pending, the bound (MAX_PENDING_WRITES"
+                            "=%d, MAX_PENDING_WRITE_BYTES=%d): dropping new ones (host memory "
+                            "only; counted writes_dropped; warned once)", self.name, pending,
+                            pending_bytes, MAX_PENDING_WRITES, MAX_PENDING_WRITE_BYTES)
+            return False
+        fut.add_done_callback(self._write_done)
+        return True
+
+    def _write_done(self, fut: Future) -> None:
+        with self._lock:
+            self._write_bytes -= self._writes.pop(fut, 0)
 
     # -- actor methods -----------------------------------------------------------------------
     def ready(self) -> dict:
@@ -302,7 +345,8 @@ class CacheShard:
 
         The object is validated (header names ``key_text``; every layer's checksum) before
         anything is stored; a bad object returns False and counts ``put_rejected``. Host
-        memory is written before returning, lower tiers in the background (see ``drain``).
+        memory is written before returning, lower tiers in the background (see ``drain``),
+        unless that backlog is full (``writes_dropped``); False when neither took it.
         """
         key = ChunkKey.parse(key_text)
         if self.host.contains([key])[0]:
@@ -315,12 +359,8 @@ class CacheShard:
             return False
         self._count("puts")
         stored = self._store_host(key, obj, header.header_end) is not None
-        if self.lower_stack is not None:
-            fut = self._pool.submit(self._write_down, key, obj, header)
-            with self._lock:
-                self._writes.add(fut)
-            fut.add_done_callback(self._writes.discard)
-        return stored or bool(self.lower)
+        queued = self.lower_stack is not None and self._submit_write(key, obj, header)
+        return stored or queued
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait for background writes to lower tiers (and the stack's copies of promoted
@@ -412,7 +452,8 @@ class CacheShard:
             ``{'name', 'node_id', 'pid', 'disk_path'`` (as :meth:`ready`), ``'uptime_s'``
             (seconds since this actor process started), ``'counters': {name: count}``
             (cumulative since it started: lookups, misses, ``hits_<tier>``, read_errors, puts,
-            put_rejected, prefetch_started, prefetch_hits, promotions, write_errors),
+            put_rejected, prefetch_started, prefetch_hits, promotions, write_errors,
+            writes_dropped),
             ``'tiers': {tier name: tier.stats()}`` (host first; each tier's own cumulative
             counters and current ``bytes_used``/``capacity_bytes``/``num_chunks``, or
             ``{'error': message}``)``}``. ``kvblend status --json`` prints it per shard;

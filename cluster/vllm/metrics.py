@@ -41,6 +41,7 @@ PROM_COUNTERS: dict[str, str] = {
     "stored_chunks": "chunks stored",
     "stored_tokens": "tokens stored",
     "store_skipped": "chunks not stored because already cached",
+    "store_dropped": "chunks not stored because the store queue was full (serving never waits)",
     "store_s": "seconds spent computing and storing chunks",
 }
 

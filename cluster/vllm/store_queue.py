@@ -20,10 +20,17 @@ Prefix chunks need no compute (their KV is in the paged cache after the forward)
 gathers them and :meth:`StoreQueue.put_prefix` puts them on the same I/O thread.
 Failure behaviour: a failed compute or put is a future miss, recorded in the ``store`` event's
 ``error`` and warned about once; nothing here raises into vLLM.
+
+Backpressure: the puts waiting for the I/O thread hold their KV, so they are bounded
+(:data:`MAX_STORE_IO_ITEMS` chunks, :data:`MAX_STORE_IO_BYTES` bytes, queued or running). Past
+the bound the newest store is dropped — a canonical segment before its compute, a prefix batch
+whole — counted ``store_dropped`` (and ``dropped`` in the request's ``store`` event), warned
+about once; vLLM's threads never wait for storage. ``flush`` waits for what was queued.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -34,13 +41,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.vllm.events import EventLog, WarnOnce
-from cluster.vllm.metrics import Counters
 
 if TYPE_CHECKING:
+    from cluster.vllm.metrics import Counters
     from tiers.keys import ChunkKey
 
 #: a store queued longer than this (seconds) is computed even in a step with prefill tokens.
 STORE_MAX_DEFER_S = 2.0
+#: chunks whose puts are queued or running on the I/O thread; past it the newest is dropped
+#: (a stuck or slow client then costs no memory beyond the bound and no model time)
+MAX_STORE_IO_ITEMS = 64
+#: bytes of their KV tensors (canonical KV on the CPU, gathered prefix chunks): 16-64 chunks
+#: of 8-32 MiB; one batch larger than this is still queued when nothing else is
+MAX_STORE_IO_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -53,9 +66,14 @@ class _PendingStore:
     finished: bool = False      # vLLM finished the request (its id came in finished_req_ids)
     stored: int = 0
     skipped: int = 0
+    dropped: int = 0            # segments dropped at the I/O bound (not computed)
     tokens: int = 0
     seconds: float = 0.0
     error: str | None = None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.element_size() * t.nelement()
 
 
 class StoreQueue:
@@ -83,6 +101,11 @@ class StoreQueue:
         self._thread_initializer = thread_initializer
         self._io_pool: ThreadPoolExecutor | None = None   # puts only; never runs the model
         self._io_futures: list = []
+        self._io_lock = threading.Lock()      # the bound's accounting (the I/O thread releases)
+        self._io_items = 0                    # chunks queued or running on the I/O thread
+        self._io_bytes = 0                    # their KV bytes
+        #: stores dropped at the bound (also counted as ``store_dropped``)
+        self.store_dropped = 0
         self._queue: OrderedDict[str, _PendingStore] = OrderedDict()  # FIFO by request
         self._done: set[str] = set()          # all segments computed, waiting for vLLM's finish
         self._finished_ids: set[str] = set()  # finished by vLLM while their store was pending
@@ -130,15 +153,22 @@ class StoreQueue:
     def _store_segment(self, pend: _PendingStore, key: ChunkKey, ids: tuple[int, ...]) -> int:
         """Canonical KV of one segment (``engine.prefill`` at positions ``0..n-1``), handed to
         the I/O thread. Returns the tokens computed. Errors are recorded, never raised."""
+        if self._io_full(1, 0):  # its put could not be queued: skip the compute too
+            self._dropped(1)
+            pend.dropped += 1
+            return 0
         start = time.perf_counter()
         try:
             kv = self._canonical_kv(list(ids))  # [L, 2, T, H, D]
             if not bool(torch.isfinite(kv).all()):
                 raise RuntimeError(f"non-finite canonical KV for {key}; not stored")
-            self._io_submit(self.client.put, key, kv)
+            if self._io_submit_bounded(1, _nbytes(kv), self.client.put, key, kv):
+                pend.stored += 1
+                pend.tokens += len(ids)
+            else:
+                self._dropped(1)
+                pend.dropped += 1
             self._remember(key, kv)
-            pend.stored += 1
-            pend.tokens += len(ids)
         except Exception as e:  # noqa: BLE001 - a failed store is a future miss
             pend.error = f"{type(e).__name__}: {e}"
             self._warn("store", "kvblend: store for request %s failed (%s)", pend.request_id, pend.error)
@@ -146,15 +176,63 @@ class StoreQueue:
         return len(ids)
 
     def put_prefix(self, request_id: str, prefix: list[tuple[ChunkKey, torch.Tensor]]) -> None:
-        """Put gathered prefix chunks ``(key, kv[L, 2, T, H, D])`` on the I/O thread."""
-        self._io_submit(self._put_prefix, request_id, prefix)
+        """Put gathered prefix chunks ``(key, kv[L, 2, T, H, D])`` on the I/O thread (the
+        whole batch is dropped, ``store_dropped``, when it does not fit the bound)."""
+        nbytes = sum(_nbytes(kv) for _, kv in prefix)
+        if not self._io_submit_bounded(len(prefix), nbytes, self._put_prefix, request_id, prefix):
+            self._dropped(len(prefix))
+            self._count_store(request_id, 0, 0, 0, 0.0, None, dropped=len(prefix))
 
-    def _io_submit(self, fn, *args) -> None:
+    def _io_submit(self, fn, *args):
         if self._io_pool is None:
             self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvblend-store-io",
                                                initializer=self._thread_initializer)
         self._io_futures = [f for f in self._io_futures if not f.done()]
-        self._io_futures.append(self._io_pool.submit(fn, *args))
+        fut = self._io_pool.submit(fn, *args)
+        self._io_futures.append(fut)
+        return fut
+
+    def _io_over(self, items: int, nbytes: int) -> bool:
+        """Whether ``items`` chunks of ``nbytes`` more would pass the bound (anything fits
+        when nothing is queued). Call with ``_io_lock`` held."""
+        return self._io_items > 0 and (self._io_items + items > MAX_STORE_IO_ITEMS
+                                       or self._io_bytes + nbytes > MAX_STORE_IO_BYTES)
+
+    def _io_full(self, items: int, nbytes: int) -> bool:
+        with self._io_lock:
+            return self._io_over(items, nbytes)
+
+    def _io_submit_bounded(self, items: int, nbytes: int, fn, *args) -> bool:
+        """Queue ``fn(*args)`` holding ``items`` chunks of ``nbytes`` on the I/O thread unless
+        that passes the bound; never waits. Returns whether it was queued."""
+        with self._io_lock:
+            if self._io_over(items, nbytes):
+                return False
+            self._io_items += items
+            self._io_bytes += nbytes
+        try:
+            fut = self._io_submit(fn, *args)
+        except BaseException:
+            self._io_release(items, nbytes)
+            raise
+        fut.add_done_callback(lambda _f: self._io_release(items, nbytes))
+        return True
+
+    def _io_release(self, items: int, nbytes: int) -> None:
+        with self._io_lock:
+            self._io_items -= items
+            self._io_bytes -= nbytes
+
+    def _dropped(self, n: int) -> None:
+        """Count ``n`` chunks dropped at the bound (``store_dropped``), warn once."""
+        with self._io_lock:
+            self.store_dropped += n
+            items, nbytes = self._io_items, self._io_bytes
+        self._counters.bump(store_dropped=n)
+        self._warn("store_dropped", "kvblend: %d chunks (%d bytes) waiting to be stored, the bound "
+                   "(MAX_STORE_IO_ITEMS=%d, MAX_STORE_IO_BYTES=%d): dropping new stores "
+                   "(counted store_dropped; warned once)", items, nbytes, MAX_STORE_IO_ITEMS,
+                   MAX_STORE_IO_BYTES)
 
     def _finish_store(self, pend: _PendingStore) -> None:
         """I/O thread, after the request's puts (FIFO): flush, count, one ``store`` event."""
@@ -164,7 +242,8 @@ class StoreQueue:
                 error = error or "flush timed out"
         except Exception as e:  # noqa: BLE001
             error = error or f"{type(e).__name__}: {e}"
-        self._count_store(pend.request_id, pend.stored, pend.skipped, pend.tokens, pend.seconds, error)
+        self._count_store(pend.request_id, pend.stored, pend.skipped, pend.tokens, pend.seconds, error,
+                          dropped=pend.dropped)
 
     def _put_prefix(self, request_id: str, prefix) -> None:
         """I/O thread: put gathered prefix chunks ``(key, kv[L, 2, T, H, D])``, flush, count."""
@@ -183,10 +262,10 @@ class StoreQueue:
             self._warn("store", "kvblend: store for request %s failed (%s)", request_id, error)
         self._count_store(request_id, stored, 0, tokens, time.perf_counter() - start, error)
 
-    def _count_store(self, request_id, stored, skipped, tokens, seconds, error) -> None:
+    def _count_store(self, request_id, stored, skipped, tokens, seconds, error, dropped=0) -> None:
         self._counters.bump(stored_chunks=stored, stored_tokens=tokens, store_skipped=skipped, store_s=seconds)
         self._events.write("store", request_id=request_id, stored=stored, skipped=skipped,
-                           tokens=tokens, seconds=seconds, error=error)
+                           tokens=tokens, seconds=seconds, error=error, dropped=dropped)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests finished by vLLM (in this call or an earlier one) whose canonical segments
