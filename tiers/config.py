@@ -53,6 +53,9 @@ class TiersConfig:
         "lru", "eviction order of the host, disk and gpu tiers", choices=("lru", "lfu"))
     io_timeout_s: float = _f(
         5.0, "seconds before a tier read or write counts as failed (a miss)", (0.01, 3600.0))
+    lookup_timeout_s: float = _f(
+        0.25, "seconds a shard lookup waits for the tiers below host memory (late keys are misses; clients wait this plus a margin)",
+        (0.01, 3600.0))
 
     def __post_init__(self) -> None:
         check_fields(self)

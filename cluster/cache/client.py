@@ -24,11 +24,12 @@ pinned in the node's object store while mapped); every layer is then a slice, ch
 and copy. Refs are not returned by ``lookup`` (each returned ref costs Ray a borrower
 registration: 16 refs added ~5 ms to a 1 ms call on the dev box) nor kept after mapping.
 
-Failure behaviour: every shard call waits at most ``call_timeout_s``; a timeout, a dead or
-restarting shard, a lost object or a corrupted header is a miss (``None``) and a counter,
-never an exception. A failed shard is skipped for :data:`~cluster.cache.router.SUSPECT_S`
-seconds; meanwhile, and whenever its call fails, the client reads the shared Redis/S3 tiers
-directly when they are configured. Only caller mistakes raise (``ValueError``/``TypeError``).
+Failure behaviour: every shard call waits at most ``call_timeout_s`` (a lookup: its
+:func:`~cluster.cache.deadline.lookup_wait_s`; a late shard's keys are misses); a timeout, a
+dead or restarting shard, a lost object or a corrupted header is a miss (``None``) and a
+counter, never an exception. A failed shard is skipped for
+:data:`~cluster.cache.router.SUSPECT_S` seconds; meanwhile, and whenever its call fails, the
+client reads the configured shared Redis/S3 tiers directly. Only caller mistakes raise.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 
 from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.connect import connect
+from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.headers import HeaderCache
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.placement import Placement
@@ -163,7 +165,6 @@ class CacheClient:
         Returns:
             Per key a :class:`ChunkMeta` (``tier`` = where it was found) or None. Never
             raises for cache faults (see module docstring).
-
         Raises:
             TypeError: a key that is not a :class:`ChunkKey`.
         """
@@ -175,21 +176,20 @@ class CacheClient:
         groups = self.router.groups(keys)
         with self._lock:
             known = [k in self._meta for k in keys]
+        late: set[str] = set()  # slow shards (lookup_timeout_s + margin): misses, no direct reads
         results = self.router.call(groups, "lookup", lambda idx: (
-            [str(keys[i]) for i in idx], True, False, [known[i] for i in idx]))
-        unanswered: list[int] = []
+            [str(keys[i]) for i in idx], True, False, [known[i] for i in idx]), lookup_wait_s(self.config), late)
+        unanswered: list[int] = [] if groups else list(range(len(keys)))
         for name, idx in groups.items():
             res = results.get(name)
             if res is None:
-                unanswered.extend(idx)
+                unanswered.extend([] if name in late else idx)
                 continue
             for i, hit in zip(idx, res, strict=False):
                 entry = None if hit is None else self._entry_for(keys[i], name, hit)
                 if entry is not None:
                     self._remember(keys[i], entry)
                     out[i] = ChunkMeta(keys[i], entry.header.num_tokens, entry.positions(), entry.tier)
-        if not groups:
-            unanswered = list(range(len(keys)))
         if unanswered and self._shared_tiers():
             for i in unanswered:
                 out[i] = self._direct_lookup(keys[i])

@@ -10,7 +10,8 @@ The client's view of the shard set (used by :class:`cluster.cache.client.CacheCl
 
 Failure behaviour: a shard whose call raises or times out is absent from :meth:`call`'s result,
 counted (``timeouts`` or ``shard_errors``) and skipped for :data:`SUSPECT_S` seconds; its actor
-handle is dropped and the shard list re-read at the next call. Listing the shards failing
+handle is dropped and the shard list re-read at the next call — except a late answer to a
+call given ``late`` (lookups), which is only counted. Listing the shards failing
 (a GCS hiccup) keeps the previous placement. Nothing here raises for a cache fault.
 """
 
@@ -112,13 +113,19 @@ class ShardRouter:
         return p.group([str(k) for k in keys])
 
     def call(self, groups: dict[str, list[int]], method: str,
-             args_for: Callable[[list[int]], tuple]) -> dict[str, object]:
+             args_for: Callable[[list[int]], tuple], timeout_s: float | None = None,
+             late: set[str] | None = None) -> dict[str, object]:
         """Call ``method(*args_for(indices))`` on every shard in ``groups`` at once and gather
-        the results within ``timeout_s``.
+        the results within ``timeout_s`` (default: the router's).
+
+        Args:
+            late: when given, a shard whose answer is not back by the deadline is added to it
+                and counted (``timeouts``) but not marked suspect: slow once is not failed
+                (lookups: the shard answers by ``lookup_timeout_s`` unless it is overloaded).
 
         Returns:
             ``{shard name: result}``; shards that are suspect, gone, failed or late are absent
-            (and marked suspect when their call failed).
+            (and marked suspect when their call failed, or timed out without ``late``).
         """
         import ray
 
@@ -132,11 +139,18 @@ class ShardRouter:
             except Exception as e:  # noqa: BLE001
                 self.failed(name, e)
         out = {}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         for name, ref in refs.items():
             try:
                 out[name] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            except Exception as e:  # noqa: BLE001 - dead, restarting or slow shard: a miss
+            except ray.exceptions.GetTimeoutError as e:  # slow shard: a miss
+                if late is None:
+                    self.failed(name, e)
+                else:
+                    late.add(name)
+                    self._count("timeouts", 1)
+                    log.debug("shard %s answered %s late: its keys are misses", name, method)
+            except Exception as e:  # noqa: BLE001 - dead or restarting shard: a miss
                 self.failed(name, e)
         return out
 

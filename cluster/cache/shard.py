@@ -51,7 +51,8 @@ passes its object through the store once). ``kvblend server`` starts Ray with
 plus headroom; Ray's own default is 30% of RAM).
 
 Failure behaviour: methods never raise for cache faults; a tier error is a miss counted in
-stats and metrics; a corrupted or foreign object (checked by :mod:`tiers.format` /
+stats and metrics; ``lookup`` answers within ``lookup_timeout_s`` whatever the tiers below
+host memory do (:mod:`cluster.cache.deadline`: late keys are misses, a breaker per tier); a corrupted or foreign object (checked by :mod:`tiers.format` /
 :mod:`tiers.reader`) is a miss plus ``read_errors``. Caller mistakes (malformed key strings)
 raise ``ValueError`` to the caller through Ray.
 """
@@ -69,12 +70,13 @@ from concurrent.futures import wait as wait_futures
 
 import numpy as np
 
+from cluster.cache.deadline import LowerLookup
 from cluster.cache.metrics import ShardMetrics
 from tiers.config import TiersConfig
 from tiers.format import FormatError
 from tiers.keys import ChunkKey
 from tiers.lower import shared_tiers
-from tiers.reader import read_header, validate_object
+from tiers.reader import validate_object
 from tiers.stack import TierStack
 
 log = logging.getLogger("kvblend.shard")
@@ -135,9 +137,12 @@ class CacheShard:
         self._write_pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-shard-write")
         self._writes: dict[Future, int] = {}
         self._write_bytes = 0
+        # lower-tier header reads of lookups: parallel, by lookup_timeout_s, breaker per tier
+        self._lower_lookup = LowerLookup(tiers_config.lookup_timeout_s, self._count, name)
         self.counters = dict.fromkeys(
             ("lookups", "misses", "read_errors", "puts", "put_rejected", "prefetch_started",
-             "prefetch_hits", "promotions", "write_errors", "writes_dropped"), 0)
+             "prefetch_hits", "promotions", "write_errors", "writes_dropped", "lookup_timeouts",
+             "breaker_open", "breaker_half_open", "breaker_closed"), 0)
         self.counters.update({f"hits_{t.name}": 0 for t in [self.host, *self.lower]})
         self._publisher = threading.Thread(target=self._publish_loop, daemon=True)
         self._publisher.start()
@@ -263,40 +268,39 @@ class CacheShard:
             call here) and the scheduler-side lookups never read layers. Where ``known[i]``
             the caller already holds that key's header (objects never change under a key)
             and the header slot is ``b""``: parsing 16 headers cost the client ~1 ms.
-            Hits below host memory start a background promotion when ``prefetch``.
+            Hits below host memory start a background promotion when ``prefetch``. Keys
+            not in host memory are looked up in the lower tiers in parallel, one header
+            read per hit, within ``lookup_timeout_s`` of the call's start whatever the tiers
+            do (:class:`cluster.cache.deadline.LowerLookup`: late keys are misses, counted
+            ``lookup_timeouts``; a per-tier breaker skips a tier that keeps timing out).
         """
         t0 = time.perf_counter()
-        out: list[tuple | None] = []
-        for i, text in enumerate(keys):
-            key = ChunkKey.parse(text)
-            self._count("lookups")
+        started = time.monotonic()  # the lookup_timeout_s deadline counts from here
+        parsed = [ChunkKey.parse(text) for text in keys]
+        self._count("lookups", len(parsed))
+        out: list[tuple | None] = [None] * len(parsed)
+        rest: list[int] = []  # not in host memory
+        for i, key in enumerate(parsed):
             entry = self._host_entry(key)
-            if entry is not None:
-                header = b"" if known is not None and known[i] else entry[1]
-                out.append(("host", header, [entry[0]] if with_refs else None))
-                self._count("hits_host")
-                self.metrics.inc("kvblend_hits", 1, "host")
+            if entry is None:
+                rest.append(i)
                 continue
-            found = None
-            for tier in self.lower:
-                header = read_header(tier, key)
-                if header is None:
-                    continue
-                got = tier.get_ranges(key, [(0, header.header_end)])
-                if got is None:
-                    continue
-                found = (tier.name, bytes(got[0]), None)
-                break
-            if found is None:
-                out.append(None)
+            header = b"" if known is not None and known[i] else entry[1]
+            out[i] = ("host", header, [entry[0]] if with_refs else None)
+            self._count("hits_host")
+            self.metrics.inc("kvblend_hits", 1, "host")
+        found = self._lower_lookup.find(self.lower, [parsed[i] for i in rest], started) \
+            if rest and self.lower else [None] * len(rest)
+        for i, hit in zip(rest, found, strict=True):
+            if hit is None:
                 self._count("misses")
                 self.metrics.inc("kvblend_misses")
                 continue
-            out.append(found)
-            self._count(f"hits_{found[0]}")
-            self.metrics.inc("kvblend_hits", 1, found[0])
+            out[i] = (hit[0], hit[1], None)
+            self._count(f"hits_{hit[0]}")
+            self.metrics.inc("kvblend_hits", 1, hit[0])
             if prefetch:
-                self._promote_async(key)
+                self._promote_async(parsed[i])
         self.metrics.observe("kvblend_lookup_latency_ms", (time.perf_counter() - t0) * 1e3)
         return out
 
@@ -453,7 +457,7 @@ class CacheShard:
             (seconds since this actor process started), ``'counters': {name: count}``
             (cumulative since it started: lookups, misses, ``hits_<tier>``, read_errors, puts,
             put_rejected, prefetch_started, prefetch_hits, promotions, write_errors,
-            writes_dropped),
+            writes_dropped, lookup_timeouts, ``breaker_<state>`` per breaker change),
             ``'tiers': {tier name: tier.stats()}`` (host first; each tier's own cumulative
             counters and current ``bytes_used``/``capacity_bytes``/``num_chunks``, or
             ``{'error': message}``)``}``. ``kvblend status --json`` prints it per shard;
