@@ -153,6 +153,7 @@ class StagedSource:
         self.take_timeout_s = take_timeout_s
         self._fill_s, self._fill_bytes = 0.0, 0
         self._queued = 0  # requests submitted and not started: the look-ahead bound yields to them
+        self._waiting: list[_Request] = []  # those requests (close() resolves them)
         self.read_counters = getattr(self.layers, "counters", ReadCounters())
         self._cuda = self.device.type == "cuda"
         self._slots: list[torch.Tensor | None] = [None] * (read_ahead + 1)
@@ -189,6 +190,7 @@ class StagedSource:
         if req.futures:
             with self._lock:
                 self._queued += 1
+                self._waiting.append(req)
             self._stager.submit(self._run, req)
         return req.futures
 
@@ -213,9 +215,15 @@ class StagedSource:
         with self._lock:
             self._timings.clear()
             self._fill_s, self._fill_bytes = 0.0, 0
-        self._queued = 0  # requests submitted and not started: the look-ahead bound yields to them
 
     def close(self) -> None:
+        """Stop the threads; requests not started yet resolve as misses (never left pending)."""
+        with self._lock:
+            waiting = list(self._waiting)
+        for req in waiting:
+            for fut in req.futures:
+                if not fut.done() and fut.set_running_or_notify_cancel():
+                    fut.set_result(LayerBatch([None] * len(req.keys)))
         for pool in (self._stager, self._io):
             pool.shutdown(wait=True, cancel_futures=True)
         self.pinned.close()
@@ -228,6 +236,9 @@ class StagedSource:
         it returns, whatever failed (a fault is a miss)."""
         with self._lock:
             self._queued -= 1
+            self._waiting = [r for r in self._waiting if r is not req]
+        if all(f.done() for f in req.futures):  # resolved by close()
+            return
         pinned: list = []
         try:
             headers = [None] * len(req.keys)

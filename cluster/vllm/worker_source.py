@@ -13,18 +13,20 @@ the cluster client's bytes otherwise:
 * on the CPU straight from the client (``fetch_layers``: no copy engine to overlap with).
 
 :func:`build_worker_source` is the one place that composes it: the vLLM worker and
-``kvblend bench gpu`` both call it. Chunks read through the client are collected layer by
-layer and, once every layer has passed, put into the gpu tier, so the next request on this
-worker that uses them reads no byte from a shard. Canonical KV the worker computes for storing
-goes in too (:meth:`WorkerKVSource.remember`).
+``kvblend bench gpu`` both call it. The gpu tier holds the canonical KV this worker computed
+for storing (:meth:`WorkerKVSource.remember`); chunks read through the client are not added
+to it (a blend reads only the layers from its first check layer up, never a whole chunk): on
+CUDA the staging source keeps chunks it read in pinned host memory instead
+(:mod:`tiers.pinned`), from where they reach the GPU with no host copy.
 
 Sized by ``gpu_size_gib`` (0 = no gpu tier). Faults: a gpu-tier miss falls through to the
-client; a client fault is the client's ``None``.
+client; a client fault is the client's ``None``; every future resolves (a fault is a miss).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -69,11 +71,12 @@ class _After(Future):
         self._inner = inner
 
     def result(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:  # always: a staging source notes that its consumer took the layer
             self._inner.result(timeout)
         except Exception:  # noqa: BLE001 - a reader fault is a miss: the callback says so
             pass
-        return super().result(timeout)
+        return super().result(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def cancel(self) -> bool:
         done = super().cancel()

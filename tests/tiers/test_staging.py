@@ -220,3 +220,32 @@ def test_a_normal_request_logs_nothing_critical(caplog):
         [f.result(timeout=10) for f in src.fetch_layers(list(chunks), range(3))]
         src.close()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_close_resolves_requests_that_never_started():
+    """close() while a request waits behind a stuck one: the waiting one resolves as misses at
+    once (shutdown would otherwise drop it unresolved), the stuck one when it ends."""
+    import threading
+
+    release = threading.Event()
+
+    class Stuck:
+        name = "stuck"
+
+        def headers(self, keys):
+            release.wait(30)
+            return [None] * len(keys)
+
+        def layer_into(self, key, header, layer_idx, out):
+            raise AssertionError("not reached")
+
+    keys = list(_objects())
+    src = StagedSource(Stuck(), "cpu")
+    first = src.fetch_layers(keys, range(2))
+    second = src.fetch_layers(keys, range(2))
+    closer = threading.Thread(target=src.close)
+    closer.start()
+    assert [f.result(timeout=10) for f in second] == [[None] * 3] * 2
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive() and [f.result(timeout=10) for f in first] == [[None] * 3] * 2
