@@ -236,3 +236,60 @@ def forge_header(obj: bytes, **changes) -> bytes:
         delta = len(blob) - header_len
     prefix = _PREFIX.pack(magic, version, flags, len(blob), xxhash.xxh32_intdigest(blob))
     return prefix + blob + obj[end:]
+
+
+#: seconds a call under test may take before it counts as a hang (a guard, not a timing assert)
+HANG_S = 10.0
+
+
+def returns_within(fn, *args, hang_s: float = HANG_S, what: str = ""):
+    """``fn(*args)``'s result, failing the test when it does not return within ``hang_s``
+    (``what`` names the hang in the message); an exception it raises is re-raised here."""
+    import threading
+
+    out, err = [], []
+
+    def run():
+        try:
+            out.append(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            err.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(hang_s)
+    assert not t.is_alive(), what or f"{getattr(fn, '__name__', fn)} blocked (> {hang_s} s)"
+    if err:
+        raise err[0]
+    return out[0] if out else None
+
+
+def ray_free_shard(monkeypatch, tmp_path, cfg):
+    """A real :class:`cluster.cache.shard.CacheShard` without Ray: the runtime context, the
+    stats publisher and ``ray.put`` (``_store_host`` keeps a string ref) are stand-ins; the
+    host tier, promotion, ``get_refs``, ``put`` and ``lookup`` run as in the actor. Callers set
+    ``lower_stack``/``lower`` and shut its pools down (:func:`stop_shard`)."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from cluster.cache import shard as shard_mod
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-0"))
+    monkeypatch.setattr(shard_mod.CacheShard, "_publish_loop", lambda self: None)
+    s = shard_mod.CacheShard("shard-test", cfg, str(tmp_path), metrics=False)
+
+    def store_host(key, obj, header_end):
+        ref = f"ref:{key}"
+        return ref if s.host.put_object(key, (ref, bytes(obj[:header_end]), len(obj)), len(obj)) else None
+
+    s._store_host = store_host
+    return s
+
+
+def stop_shard(s) -> None:
+    """Shut down the pools of a :func:`ray_free_shard`."""
+    for name in ("_pool", "_write_pool", "_lookup_pool"):
+        pool = getattr(s, name, None)
+        if pool is not None:
+            pool.shutdown(wait=True)

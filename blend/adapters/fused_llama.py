@@ -92,7 +92,7 @@ class FusedLlamaAdapter(HFModelAdapter):
         if self.spec.max_position <= 0:
             raise ValueError("the config has no max_position_embeddings (the RoPE table's size)")
         spec = self.spec
-        self._device, self._dtype = self.core.embed_tokens.weight.device, self.core.embed_tokens.weight.dtype
+        self._device, self._dtype = self.device, self.dtype  # HFModelAdapter's: the embedding's
         self.eps = float(hf_model.config.rms_norm_eps)
         with torch.no_grad():
             self._embed = self.core.embed_tokens.weight.detach()                      # [V, E]
@@ -151,14 +151,6 @@ class FusedLlamaAdapter(HFModelAdapter):
         """Load a HF folder as :meth:`HFModelAdapter.from_pretrained` does, then fuse."""
         plain = HFModelAdapter.from_pretrained(path, dtype=dtype, model_id=model_id)
         return cls(plain.model, model_id=plain.spec.model_id, compile=compile)
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
 
     def _fall_back(self, e: Exception) -> None:
         log.warning("torch.compile of the fused Llama layers failed (%s: %s); running eager",

@@ -25,6 +25,14 @@ def _objects(num_chunks=3, num_layers=3, dtype=torch.bfloat16):
     return out
 
 
+def _host_with(chunks) -> HostTier:
+    """A host tier holding each chunk's encoded object."""
+    host = HostTier(1 << 26)
+    for key, kv in chunks.items():
+        host.put(key, make_object(key, kv))
+    return host
+
+
 def test_staged_source_round_trips_every_tier_bit_exact(tmp_path):
     chunks = _objects()
     host, disk, mem = HostTier(1 << 26), DiskTier(str(tmp_path), 1 << 26, fsync=False), MemoryTier(1 << 26)
@@ -115,9 +123,7 @@ def test_staging_stays_a_bounded_number_of_layers_ahead_of_the_consumer(tmp_path
     import time
 
     chunks = _objects(num_layers=6)
-    host = HostTier(1 << 26)
-    for key, kv in chunks.items():
-        host.put(key, make_object(key, kv))
+    host = _host_with(chunks)
     keys = list(chunks)
     src = StagedSource(host, "cpu", max_ahead=2, take_timeout_s=1.0)
     futs = src.fetch_layers(keys, range(6))
@@ -143,9 +149,7 @@ def test_a_chunk_used_again_is_read_from_pinned_memory_bit_exact():
     queued for pinning; once pinned, requests copy straight from pinned memory (no fill),
     bit for bit; an LRU too small for every chunk keeps what fits and evicts the rest."""
     chunks = _objects(num_layers=4)
-    host = HostTier(1 << 26)
-    for key, kv in chunks.items():
-        host.put(key, make_object(key, kv))
+    host = _host_with(chunks)
     keys = list(chunks)
     src = StagedSource(host, "cpu")
     first = [f.result(timeout=30) for f in src.fetch_layers(keys, range(4))]
@@ -191,9 +195,7 @@ def test_a_paused_consumer_does_not_hold_up_the_next_request():
     import time
 
     chunks = _objects(num_layers=6)
-    host = HostTier(1 << 26)
-    for key, kv in chunks.items():
-        host.put(key, make_object(key, kv))
+    host = _host_with(chunks)
     keys = list(chunks)
     src = StagedSource(host, "cpu", max_ahead=1, take_timeout_s=20.0)
     paused = src.fetch_layers(keys, range(6))
@@ -212,9 +214,7 @@ def test_a_normal_request_logs_nothing_critical(caplog):
     import logging
 
     chunks = _objects()
-    host = HostTier(1 << 26)
-    for key, kv in chunks.items():
-        host.put(key, make_object(key, kv))
+    host = _host_with(chunks)
     src = StagedSource(host, "cpu")
     with caplog.at_level(logging.WARNING):
         [f.result(timeout=10) for f in src.fetch_layers(list(chunks), range(3))]

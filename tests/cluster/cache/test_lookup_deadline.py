@@ -9,12 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from cluster.cache import shard as shard_mod
-from tests.factories import make_key, make_kv, make_object
+from tests.factories import make_key, make_kv, make_object, ray_free_shard, stop_shard
 from tiers.config import TiersConfig
 from tiers.format import parse_header
 
@@ -63,22 +61,14 @@ def _objects(keys):
 
 @pytest.fixture
 def shard(monkeypatch, tmp_path):
-    import ray
-
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: SimpleNamespace(get_node_id=lambda: "node-0"))
-    monkeypatch.setattr(shard_mod.CacheShard, "_publish_loop", lambda self: None)
-    # lookup_timeout_s: on the code before the deadline there is no such field
-    cfg = TiersConfig(host_size_gib=0.001, disk_size_gib=0.0)
-    if hasattr(cfg, "lookup_timeout_s"):
-        cfg = TiersConfig(host_size_gib=0.001, disk_size_gib=0.0, lookup_timeout_s=TIMEOUT_S)
-    s = shard_mod.CacheShard("shard-test", cfg, str(tmp_path), metrics=False)
+    s = ray_free_shard(monkeypatch, tmp_path,
+                       TiersConfig(host_size_gib=0.001, disk_size_gib=0.0, lookup_timeout_s=TIMEOUT_S))
     s.slow = _Tier("redis", block=True)
     s.fast = _Tier("s3")
     s.lower = [s.slow, s.fast]
     yield s
     s.slow.release.set()
-    s._pool.shutdown(wait=True)
+    stop_shard(s)
 
 
 def _lookup(shard, keys, **kw):

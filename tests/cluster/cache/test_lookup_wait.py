@@ -16,7 +16,7 @@ import pytest
 
 from cluster.cache import client as client_mod
 from cluster.cache import router as router_mod
-from tests.factories import make_key, make_kv, make_object
+from tests.factories import make_key, make_kv, make_object, returns_within
 from tiers.format import parse_header
 
 HANG_S = 5.0
@@ -80,22 +80,7 @@ def setup(monkeypatch):
 
 
 def _returns(fn, *args):
-    """``fn(*args)``, failing the test if it does not return within HANG_S."""
-    out, err = [], []
-
-    def run():
-        try:
-            out.append(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            err.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(HANG_S)
-    assert not t.is_alive(), f"lookup waited > {HANG_S} s for a slow shard"
-    if err:
-        raise err[0]
-    return out[0]
+    return returns_within(fn, *args, hang_s=HANG_S, what=f"lookup waited > {HANG_S} s for a slow shard")
 
 
 def test_a_slow_shard_is_a_miss_by_the_lookup_deadline_and_not_marked_failed(setup):

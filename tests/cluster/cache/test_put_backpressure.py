@@ -19,30 +19,9 @@ import torch
 
 from cluster.cache import puts as puts_mod
 from cluster.cache import shard as shard_mod
-from tests.factories import make_key, make_kv
+from tests.factories import HANG_S, make_key, make_kv, ray_free_shard, returns_within, stop_shard
 from tiers.codec import encode_kv
 from tiers.config import TiersConfig
-
-HANG_S = 10.0
-
-
-def _returns(fn, *args):
-    """``fn(*args)``'s result, failing the test if it does not return within HANG_S."""
-    out, err = [], []
-
-    def run():
-        try:
-            out.append(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            err.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(HANG_S)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} blocked (> {HANG_S} s)"
-    if err:
-        raise err[0]
-    return out[0] if out else None
 
 
 # -- ShardWriter ----------------------------------------------------------------------------------
@@ -109,7 +88,7 @@ def test_writer_keeps_at_most_n_puts_pending_and_drops_the_newest(writer, monkey
     monkeypatch.setattr(puts_mod, "MAX_PENDING_PUTS", cap)
     keys = [make_key(i) for i in range(3 * cap)]
     for k in keys:  # the shard answers none of them
-        _returns(w.send, k, b"x" * 16)
+        returns_within(w.send, k, b"x" * 16)
     assert [r.key_text for r in shard.refs] == [str(k) for k in keys[:cap]]  # the oldest were sent
     assert counts["puts"] == cap
     assert counts["puts_dropped"] == 2 * cap and w.puts_dropped == 2 * cap
@@ -119,13 +98,13 @@ def test_writer_keeps_at_most_n_puts_pending_and_drops_the_newest(writer, monkey
     for r in shard.refs[:2]:  # two settle: two new puts fit again (settled without waiting)
         r.settled.set()
     for k in keys[cap:cap + 3]:
-        _returns(w.send, k, b"x" * 16)
+        returns_within(w.send, k, b"x" * 16)
     assert len(shard.refs) == cap + 2
     assert counts["puts_dropped"] == 2 * cap + 1
 
     for r in shard.refs:  # flush still waits for every put that was sent (drain: none)
         r.settled.set()
-    assert _returns(w.flush, 5.0) is True
+    assert returns_within(w.flush, 5.0) is True
     assert not any(w.in_flight(k) for k in keys)
 
 
@@ -134,13 +113,13 @@ def test_writer_bounds_pending_bytes(writer, monkeypatch):
     # raising=False: the code before the bound has no such constant (and no bound)
     monkeypatch.setattr(puts_mod, "MAX_PENDING_PUT_BYTES", 1000, raising=False)
     for i in range(5):
-        _returns(w.send, make_key(i), b"x" * 400)
+        returns_within(w.send, make_key(i), b"x" * 400)
     assert len(shard.refs) == 2  # 800 bytes pending; a third 400 would pass 1000
     assert counts["puts_dropped"] == 3
     big = make_key(99)
     for r in shard.refs:
         r.settled.set()
-    _returns(w.send, big, b"x" * 5000)  # alone, an object over the bound is still sent
+    returns_within(w.send, big, b"x" * 5000)  # alone, an object over the bound is still sent
     assert shard.refs[-1].key_text == str(big)
 
 
@@ -172,25 +151,11 @@ class _BlockingLower:
 
 @pytest.fixture
 def shard(monkeypatch, tmp_path):
-    import ray
-
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: SimpleNamespace(get_node_id=lambda: "node-0"))
-    monkeypatch.setattr(shard_mod.CacheShard, "_publish_loop", lambda self: None)
-    cfg = TiersConfig(host_size_gib=0.01, disk_size_gib=0.0)
-    s = shard_mod.CacheShard("shard-test", cfg, str(tmp_path), metrics=False)
+    s = ray_free_shard(monkeypatch, tmp_path, TiersConfig(host_size_gib=0.01, disk_size_gib=0.0))
     s.lower_stack = _BlockingLower()
-
-    def store_host(key, obj, header_end):  # _store_host without ray.put: the ref is a string
-        ref = f"ref:{key}"
-        return ref if s.host.put_object(key, (ref, bytes(obj[:header_end]), len(obj)), len(obj)) else None
-
-    s._store_host = store_host
     yield s
     s.lower_stack.release.set()
-    for pool in (s._pool, getattr(s, "_write_pool", None)):
-        if pool is not None:
-            pool.shutdown(wait=True)
+    stop_shard(s)
 
 
 def _obj(i: int) -> tuple[str, np.ndarray]:
@@ -205,18 +170,18 @@ def test_shard_put_returns_while_lower_tiers_block_and_drops_write_downs_past_th
     monkeypatch.setattr(shard_mod, "MAX_PENDING_WRITES", cap, raising=False)
     objs = [_obj(i) for i in range(3 * cap)]
     for text, arr in objs:  # every lower-tier write blocks
-        assert _returns(shard.put, text, arr) is True  # host memory took each of them
+        assert returns_within(shard.put, text, arr) is True  # host memory took each of them
     assert shard.counters["puts"] == 3 * cap
     assert shard.counters.get("writes_dropped") == 2 * cap
     assert len(shard._writes) == cap
     assert shard.stats()["counters"]["writes_dropped"] == 2 * cap
 
     shard.lower_stack.release.set()  # drain waits for the write-downs it accepted: the oldest
-    assert _returns(shard.drain, HANG_S) is True
+    assert returns_within(shard.drain, HANG_S) is True
     assert sorted(map(str, shard.lower_stack.written)) == sorted(t for t, _ in objs[:cap])
     assert len(shard._writes) == 0
-    assert _returns(shard.put, *_obj(100)) is True  # room again: written down
-    assert _returns(shard.drain, HANG_S) is True
+    assert returns_within(shard.put, *_obj(100)) is True  # room again: written down
+    assert returns_within(shard.drain, HANG_S) is True
     assert str(shard.lower_stack.written[-1]) == str(make_key(100))
     assert shard.counters["writes_dropped"] == 2 * cap
 
@@ -226,7 +191,7 @@ def test_shard_bounds_write_down_bytes(shard, monkeypatch):
     size = objs[0][1].nbytes
     monkeypatch.setattr(shard_mod, "MAX_PENDING_WRITE_BYTES", int(2.5 * size), raising=False)
     for text, arr in objs:
-        assert _returns(shard.put, text, arr) is True
+        assert returns_within(shard.put, text, arr) is True
     assert len(shard._writes) == 2
     assert shard.counters.get("writes_dropped") == 4
 
@@ -234,5 +199,5 @@ def test_shard_bounds_write_down_bytes(shard, monkeypatch):
 def test_a_put_neither_host_nor_write_down_took_is_refused(shard, monkeypatch):
     monkeypatch.setattr(shard_mod, "MAX_PENDING_WRITES", 1, raising=False)
     shard._store_host = lambda key, obj, header_end: None  # host memory refuses everything
-    assert _returns(shard.put, *_obj(0)) is True   # its write-down was queued
-    assert _returns(shard.put, *_obj(1)) is False  # stored nowhere: the client counts put_errors
+    assert returns_within(shard.put, *_obj(0)) is True   # its write-down was queued
+    assert returns_within(shard.put, *_obj(1)) is False  # stored nowhere: the client counts put_errors

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.cache import shard as shard_mod
-from tests.factories import make_key
+from tests.factories import make_key, ray_free_shard, stop_shard
 from tiers.config import TiersConfig
 
 OBJECT = bytes(16)
@@ -24,22 +24,10 @@ class _Lower:
 
 @pytest.fixture
 def shard(monkeypatch, tmp_path):
-    import ray
-
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: SimpleNamespace(get_node_id=lambda: "node-0"))
-    monkeypatch.setattr(shard_mod.CacheShard, "_publish_loop", lambda self: None)
-    cfg = TiersConfig(host_size_gib=0.001, disk_size_gib=0.0)
-    s = shard_mod.CacheShard("shard-test", cfg, str(tmp_path), metrics=False)
+    s = ray_free_shard(monkeypatch, tmp_path, TiersConfig(host_size_gib=0.001, disk_size_gib=0.0))
     s.lower_stack = _Lower()
-
-    def store_host(key, obj, header_end):  # _store_host without ray.put: the ref is a string
-        ref = f"ref:{key}"
-        return ref if s.host.put_object(key, (ref, bytes(obj[:header_end]), len(obj)), len(obj)) else None
-
-    s._store_host = store_host
     yield s
-    s._pool.shutdown(wait=True)
+    stop_shard(s)
 
 
 def test_prefetched_set_is_bounded_and_forgets_the_oldest(shard, monkeypatch):

@@ -16,29 +16,11 @@ import torch
 
 from cluster.vllm import store_queue as sq
 from cluster.vllm.events import EventLog, WarnOnce, read_events
-from tests.factories import make_key
+from tests.factories import HANG_S, make_key, returns_within
 
-HANG_S = 10.0
 SHAPE = (2, 2, 4, 2, 8)  # [L, 2, T, H, D] of every segment: 4 tokens, 1 KiB in float32
 
 
-def _returns(fn, *args):
-    """``fn(*args)``'s result, failing the test if it does not return within HANG_S."""
-    out, err = [], []
-
-    def run():
-        try:
-            out.append(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            err.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(HANG_S)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} blocked (> {HANG_S} s)"
-    if err:
-        raise err[0]
-    return out[0] if out else None
 
 
 class _BlockingClient:
@@ -98,27 +80,27 @@ def test_segments_past_the_bound_are_dropped_uncomputed_and_counted(queue, monke
     segs = _segments(10)
     q.add("r1", segs, now=0.0)
     with caplog.at_level(logging.WARNING, logger="kvblend"):
-        _returns(q.drain, False, None)  # the client's puts block: drain must not
+        returns_within(q.drain, False, None)  # the client's puts block: drain must not
         q.add("r2", _segments(4, start=100), now=0.0)
-        _returns(q.drain, False, None)
+        returns_within(q.drain, False, None)
     assert len(computed) == cap  # only the segments whose puts were queued ran the model
     assert q._counters.totals["store_dropped"] == 10 + 4 - cap
     assert q.store_dropped == 10 + 4 - cap
     warned = [r for r in caplog.records if "store_dropped" in r.getMessage()]
     assert len(warned) == 1
     # vLLM may free both requests' blocks: their segments are all computed or dropped
-    assert _returns(q.finished_sending, {"r1", "r2"}) == {"r1", "r2"}
+    assert returns_within(q.finished_sending, {"r1", "r2"}) == {"r1", "r2"}
 
     client.release.set()  # flush waits for the stores that were queued: the oldest
-    assert _returns(q.flush, HANG_S) is True
+    assert returns_within(q.flush, HANG_S) is True
     assert client.put_keys == [k for k, _ in segs[:cap]]
     stores = {e["request_id"]: e for e in read_events(events_path) if e["event"] == "store"}
     assert (stores["r1"]["stored"], stores["r1"]["dropped"]) == (cap, 10 - cap)
     assert (stores["r2"]["stored"], stores["r2"]["dropped"]) == (0, 4)
 
     q.add("r3", _segments(2, start=200), now=0.0)  # room again: stored
-    _returns(q.drain, False, None)
-    assert _returns(q.flush, HANG_S) is True
+    returns_within(q.drain, False, None)
+    assert returns_within(q.flush, HANG_S) is True
     assert client.put_keys[-2:] == [k for k, _ in _segments(2, start=200)]
     assert q.store_dropped == 10 + 4 - cap
 
@@ -129,11 +111,11 @@ def test_a_prefix_batch_past_the_byte_bound_is_dropped_whole(queue, monkeypatch)
     monkeypatch.setattr(sq, "MAX_STORE_IO_BYTES", int(2.5 * size), raising=False)
     first = [(k, torch.zeros(SHAPE)) for k, _ in _segments(2)]
     second = [(k, torch.zeros(SHAPE)) for k, _ in _segments(1, start=50)]
-    _returns(q.put_prefix, "p1", first)   # 2 chunks queued (the first put blocks)
-    _returns(q.put_prefix, "p2", second)  # a third would pass 2.5 chunks: dropped
+    returns_within(q.put_prefix, "p1", first)   # 2 chunks queued (the first put blocks)
+    returns_within(q.put_prefix, "p2", second)  # a third would pass 2.5 chunks: dropped
     assert q._counters.totals["store_dropped"] == 1
     client.release.set()
-    assert _returns(q.flush, HANG_S) is True
+    assert returns_within(q.flush, HANG_S) is True
     assert client.put_keys == [k for k, _ in first]
     stores = {e["request_id"]: e for e in read_events(events_path) if e["event"] == "store"}
     assert (stores["p1"]["stored"], stores["p1"]["dropped"]) == (2, 0)
@@ -145,7 +127,7 @@ def test_a_batch_over_the_bound_alone_is_still_stored(queue, monkeypatch):
     monkeypatch.setattr(sq, "MAX_STORE_IO_ITEMS", 1, raising=False)
     batch = [(k, torch.zeros(SHAPE)) for k, _ in _segments(3)]
     client.release.set()
-    _returns(q.put_prefix, "p1", batch)
-    assert _returns(q.flush, HANG_S) is True
+    returns_within(q.put_prefix, "p1", batch)
+    assert returns_within(q.flush, HANG_S) is True
     assert client.put_keys == [k for k, _ in batch]
     assert q._counters.totals["store_dropped"] == 0
