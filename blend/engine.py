@@ -42,22 +42,22 @@ import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from blend import ops
+from blend import query_selection as qs
 from blend.ops import causal_attention
-from blend.plan import CHUNK, BlendPlan, Segment
+from blend.plan import CHUNK, BlendPlan
 from blend.protocols import BlendModel, KVSource
 from blend.result import BlendCounters, BlendResult
 from blend.rope import check_blendable, inv_freq_for
-from tiers.keys import ChunkKey
+from blend.rows import RequestRows, check_layer_batch, place_cached, request_rows
 
 log = logging.getLogger(__name__)
 
-#: Deviation used to rank reused tokens at a check layer.
-SCORES = ("k", "v", "kv")
+#: The deviation each CacheBlend selection ranks reused rows by at a check layer.
+DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv"}
 
 OnLayer = Callable[[int, torch.Tensor], None]
 
@@ -94,38 +94,12 @@ class _Fallback(Exception):
     """A hit chunk's layer could not be read: recompute the request."""
 
 
-@dataclass(frozen=True)
-class _RequestRows:
-    """One request's row bookkeeping (:meth:`BlendEngine._request_rows`), on the model's device.
-
-    Attributes:
-        hits: the hit chunk segments inside ``[0, blend_end)``; keys: their chunk keys.
-        hit_rows: ``[Rh]`` int64 prompt rows covered by hit chunks, ascending.
-        stored_pos: ``[Rh]`` int64 positions their cached K was rotated at.
-        is_reused: ``[T]`` bool rows whose KV may stay cached (hit rows minus the logits row).
-        num_reused: ``is_reused.sum()``, the count the recompute ratio applies to.
-        forced: ``[T]`` bool rows named by ``plan.forced_recompute`` (None: select by score).
-        inv_freq: ``[D/2]`` float32 RoPE frequencies for re-rotation (None without hits).
-    """
-
-    hits: list[Segment]
-    keys: list[ChunkKey]
-    hit_rows: torch.Tensor
-    stored_pos: torch.Tensor
-    is_reused: torch.Tensor
-    num_reused: int
-    forced: torch.Tensor | None
-    inv_freq: torch.Tensor | None
-
-
 class BlendEngine:
     """Blends a :class:`BlendPlan` with a :class:`BlendModel` and a :class:`KVSource`.
 
     Args:
         model: the model, cut at CacheBlend's seams.
         source: cached chunk KV (None: every request is full prefill).
-        score: deviation that ranks reused tokens at a check layer: ``"k"`` (the paper's
-            K deviation, default), ``"v"`` (V deviation) or ``"kv"`` (their sum).
         process_group: the tensor-parallel group when the model is sharded by KV heads (each
             rank blends its own heads, from chunks stored under its own rank's namespace).
             The per-token scores of a check layer are summed over the group
@@ -143,12 +117,9 @@ class BlendEngine:
     reads the layers it was asked for in the background.
     """
 
-    def __init__(self, model: BlendModel, source: KVSource | None = None, *, score: str = "k",
+    def __init__(self, model: BlendModel, source: KVSource | None = None, *,
                  process_group: torch.distributed.ProcessGroup | None = None,
                  load_timeout_s: float = 30.0) -> None:
-        if score not in SCORES:
-            raise ValueError(f"score={score!r}: choose one of {SCORES}")
-        self.score = score
         self.model = model
         self.source = source
         self.spec = model.spec
@@ -294,21 +265,26 @@ class BlendEngine:
         logits = model.logits(hidden[-1:], residual[-1:])[0] if want_logits else None
         return BlendResult(kv_layers, logits, positions.clone(), counters)
 
-    def _scores(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, fresh_idx: torch.Tensor,
+    def _scores(self, score: str, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, fresh_idx: torch.Tensor,
                 cached_idx: torch.Tensor) -> torch.Tensor:
         """Deviation ``[Rc]`` float32 of fresh rows ``k[fresh_idx]`` (``v``) from cached rows
-        ``kv[:, cached_idx]`` (see ``score``), summed over this rank's KV heads and then over
-        the ranks of ``process_group`` (so every rank ranks the same numbers)."""
-        if self.score == "k":
+        ``kv[:, cached_idx]`` (``score``: ``k``, ``v`` or ``kv``, their sum), summed over this
+        rank's KV heads and then over the ranks of ``process_group`` (so every rank ranks the
+        same numbers)."""
+        if score == "k":
             scores = ops.deviation_scores(k, kv[0], fresh_idx, cached_idx)
-        elif self.score == "v":
+        elif score == "v":
             scores = ops.deviation_scores(v, kv[1], fresh_idx, cached_idx)
         else:
             scores = (ops.deviation_scores(k, kv[0], fresh_idx, cached_idx)
                       + ops.deviation_scores(v, kv[1], fresh_idx, cached_idx))
+        return self._sum_ranks(scores)
+
+    def _sum_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks of ``process_group`` (in place; ``x`` without one)."""
         if self.process_group is not None:
-            torch.distributed.all_reduce(scores, op=torch.distributed.ReduceOp.SUM, group=self.process_group)
-        return scores
+            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM, group=self.process_group)
+        return x
 
     def _all_ranks_ok(self, ok: bool) -> bool:
         """Whether every rank of ``process_group`` read its layer (a fallback must be taken by
@@ -321,7 +297,7 @@ class BlendEngine:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
         return int(flag) == 0
 
-    def _start_fetch(self, rows: _RequestRows, first_check: int) -> dict[int, Future]:
+    def _start_fetch(self, rows: RequestRows, first_check: int) -> dict[int, Future]:
         """Ask the source once for every layer from the first check layer up (the source moves
         them while the engine computes; CacheBlend §5). Layers below the first check layer
         never need the cache. A source that raises here sends the request to full prefill
@@ -347,76 +323,32 @@ class BlendEngine:
             log.warning("fetch of layer %d failed (%s: %s)", layer_idx, type(e).__name__, e)
             return None
 
-    def _request_rows(self, plan: BlendPlan, want_logits: bool, counters: BlendCounters) -> _RequestRows:
-        """Step 1 of :meth:`_blend`: which rows are hit, reused and forced, built once on the host
-        and moved to the device once; fills the counters' hit/reused/computed numbers."""
-        num_tokens, device = plan.blend_end, self.model.device
-        hits = [s for s in plan.hit_segments if s.end <= num_tokens]
-        hit_rows = torch.cat([torch.arange(s.start, s.end) for s in hits]) if hits \
-            else torch.zeros(0, dtype=torch.int64)
-        stored_pos = torch.tensor([p for s in hits for p in s.stored_positions], dtype=torch.int64)
-        if stored_pos.shape != hit_rows.shape:
-            raise RuntimeError(f"plan carries {stored_pos.numel()} stored positions for {hit_rows.numel()} hit rows")
-        is_reused = torch.zeros(num_tokens, dtype=torch.bool)
-        is_reused[hit_rows] = True
-        if want_logits:
-            is_reused[num_tokens - 1] = False  # the last row's logits need its hidden state
-        num_reused = int(is_reused.sum())
-        counters.num_hit_segments = len(hits)
-        counters.reused_tokens = num_reused
-        counters.computed_tokens = num_tokens - num_reused
-        forced = None
-        if plan.forced_recompute is not None:
-            forced = torch.zeros(num_tokens, dtype=torch.bool)
-            forced[torch.tensor([i for i in plan.forced_recompute if 0 <= i < num_tokens], dtype=torch.int64)] = True
-            forced = forced.to(device)
-        return _RequestRows(hits, [s.key for s in hits], hit_rows.to(device), stored_pos.to(device),
-                            is_reused.to(device), num_reused, forced,
-                            self._inv_freq_on(device) if hits else None)
-
-    def _cached_layer(self, rows: _RequestRows, pending: dict[int, Future], layer_idx: int,
-                      counters: BlendCounters) -> torch.Tensor:
-        """Step 3 of :meth:`_blend`: this layer's KV buffer ``[2, T, H, D]``. Hit rows hold the
-        cached K (re-rotated to the prompt positions) and V; other rows are uninitialized
-        (every one of them is computed, and the caller writes it over the buffer).
+    def _cached_layer(self, rows: RequestRows, pending: dict[int, Future], layer_idx: int,
+                      counters: BlendCounters, num_rows: int | None = None) -> torch.Tensor:
+        """Step 3 of :meth:`_blend`: this layer's KV buffer ``[2, T, H, D]`` (``num_rows``
+        rows when given, else ``T``). Hit rows hold the cached K (re-rotated to the prompt
+        positions) and V; other rows are uninitialized (every one of them is computed, and the
+        caller writes it over the buffer).
 
         Raises:
             _Fallback: a hit chunk's layer could not be read (here or on another rank).
         """
         spec, model = self.spec, self.model
-        kv = torch.empty((2, rows.is_reused.shape[0], spec.num_kv_heads, spec.head_dim), dtype=model.dtype,
+        num_rows = rows.is_reused.shape[0] if num_rows is None else num_rows
+        kv = torch.empty((2, num_rows, spec.num_kv_heads, spec.head_dim), dtype=model.dtype,
                          device=model.device)  # [2, T, H, D]
         if not rows.keys:
             return kv
         t0 = time.perf_counter()
         got = self._layer_result(pending.pop(layer_idx, None), layer_idx)
         counters.load_wait_s += time.perf_counter() - t0
-        why = None
-        if got is None or len(got) != len(rows.hits):
-            why = f"layer {layer_idx} of the cached chunks could not be read"
-        else:
-            for seg, chunk_kv in zip(rows.hits, got, strict=True):
-                want = (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim)
-                if chunk_kv is None or tuple(chunk_kv.shape) != want:
-                    why = (f"layer {layer_idx} of chunk {seg.key} could not be read ("
-                           f"{'missing' if chunk_kv is None else f'shape {tuple(chunk_kv.shape)} != {want}'})")
-                    break
+        why = check_layer_batch(rows, got, spec, layer_idx)
         if not self._all_ranks_ok(why is None):
             raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank")
-        ready = getattr(got, "ready", None)
-        if ready is not None:  # the source's copy of this layer: the device waits, not the host
-            torch.cuda.current_stream(model.device).wait_event(ready)
-        # One cat and one scatter rather than a copy per chunk: per-layer host overhead is
-        # what bounds the engine below 16K tokens (issue 9). Dispatch alone (tiny tensors,
-        # one CPU thread, 2026-11-29): 8 (64) chunk copies 84 (514) us, cat + index_put
-        # 19 (45) us; the price is one more pass over the hit rows (estimated ~7 us at 4K
-        # tokens of the 7B shape: 32 MiB read and written at H200 bandwidth).
-        stored = torch.cat(got, dim=1).to(device=model.device, dtype=model.dtype)  # [2, Rh, H, D]
-        ops.rerotate_k_(stored[0], rows.stored_pos, rows.hit_rows, rows.inv_freq)  # in place
-        kv[:, rows.hit_rows] = stored
+        place_cached(kv, rows, got)
         return kv
 
-    def _select(self, plan: BlendPlan, rows: _RequestRows, layer_idx: int, active: torch.Tensor,
+    def _select(self, plan: BlendPlan, rows: RequestRows, layer_idx: int, active: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters) -> torch.Tensor:
         """Step 4 of :meth:`_blend`, at a check layer: ``[A']`` indices into ``active`` of the rows
         computed above it: every non-reused row plus the reused rows selected by deviation of
@@ -427,7 +359,8 @@ class BlendEngine:
         if rows.forced is not None:
             sel_local = cand_local[rows.forced[active[cand_local]]]
         else:
-            scores = self._scores(k, v, kv, cand_local, active[cand_local])  # [Rc]
+            scores = self._scores(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
+                                  active[cand_local])  # [Rc]
             threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
             sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
                                              num_reused=rows.num_reused)
@@ -436,23 +369,79 @@ class BlendEngine:
         counters.selected_tokens = int(sel_local.numel())
         return torch.nonzero(keep).flatten()  # [A'] into active
 
+    def _query_mode(self, plan: BlendPlan, rows: RequestRows, counters: BlendCounters) -> bool:
+        """Whether this request selects by query attention (:mod:`blend.query_selection`); a
+        plan that asks for it without a query segment is ranked by K deviation instead
+        (``counters.selection_fallback`` says so)."""
+        counters.selection = plan.selection
+        if plan.selection != "query_attention" or not rows.keys or rows.forced is not None:
+            return False
+        if plan.query_rows is None:
+            counters.selection = "k_deviation"
+            counters.selection_fallback = "no query segment"
+            return False
+        return True
+
+    def _select_by_query(self, plan: BlendPlan, rows: RequestRows, pending: dict[int, Future],
+                         positions: torch.Tensor, counters: BlendCounters,
+                         ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The ``query_attention`` selection, before layer 0: ``(active, probed)``, the ``[A]``
+        rows the blend computes in every layer (``positions`` itself when that is all of them)
+        and the probe's layer buffers ``{layer: [2, T_prompt, H, D]}`` for the blend to reuse.
+        Ratio 0 and a budget that takes every reused row skip the probe (nothing to rank).
+
+        Raises:
+            _Fallback: a cached layer the probe needs could not be read.
+        """
+        t0 = time.perf_counter()
+        device, num_tokens = self.model.device, plan.blend_end
+        ratio = plan.recompute_ratios[0]
+        reused_rows = torch.nonzero(rows.is_reused).flatten()  # [R]
+        probed: dict[int, torch.Tensor] = {}
+        budget = qs.num_to_select(rows.num_reused, ratio)
+        nothing_to_rank = budget == 0 or budget >= reused_rows.numel()
+        selected = reused_rows[:budget] if nothing_to_rank else None
+        if selected is None:
+            start, end = plan.query_rows
+            is_reused = torch.zeros(end, dtype=torch.bool, device=device)
+            is_reused[:num_tokens] = rows.is_reused
+            all_ids = torch.tensor(plan.token_ids[:end], dtype=torch.int64, device=device)
+            layers = qs.probe_layers_for(plan.probe_layers, self.spec.num_layers)
+            mass, probed = qs.probe_query_mass(
+                self.model, all_ids, is_reused, end - start,
+                layers, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
+                self._sum_ranks if self.process_group is not None else None)
+            sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, num_tokens).to(device)
+            selected = qs.select_by_query_mass(mass, reused_rows, sinks, ratio, rows.num_reused)
+            counters.probe_s = time.perf_counter() - t0
+        counters.selected_tokens = int(selected.numel())
+        keep = ~rows.is_reused
+        keep[selected] = True
+        return (positions if bool(keep.all()) else torch.nonzero(keep).flatten()), probed
+
     def _blend(self, plan: BlendPlan, want_logits: bool, on_layer: OnLayer | None,
                counters: BlendCounters) -> Generator[int, None, BlendResult]:
         """The blend itself, a step per layer (see the module docstring): request rows, then per
         layer the fetch ahead, the cached layer, the selection at check layers and the
         attention of the computed rows over the mixed KV."""
         model, num_tokens = self.model, plan.blend_end
-        rows = self._request_rows(plan, want_logits, counters)
+        rows = request_rows(plan, want_logits, counters, model.device, self._inv_freq_on)
         check_layers = list(plan.check_layers)
         first_check, last_check = check_layers[0], max(check_layers)
         ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=model.device)
         positions = torch.arange(num_tokens, device=model.device)
+        by_query = self._query_mode(plan, rows, counters)
+        if by_query:  # selection before layer 0: the blend reads every layer of the cache
+            check_layers, first_check, last_check = [], 0, -1
         pending = self._start_fetch(rows, first_check)  # {layer: future}, every layer at once
-        hidden, residual = model.embed(ids), None  # [T, E]
         active = positions  # [A] rows computed in this layer, ascending
+        probed: dict[int, torch.Tensor] = {}  # layer -> buffer the query probe filled
         row_mask = None     # the final rows' attention mask (CUDA), built at the last check layer
         kv_layers: list[torch.Tensor] = []
         try:
+            if by_query:
+                active, probed = self._select_by_query(plan, rows, pending, positions, counters)
+            hidden, residual = model.embed(ids if active is positions else ids[active]), None  # [A, E]
             for layer_idx in range(self.spec.num_layers):
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,
                                               positions if active is positions else positions[active])
@@ -462,7 +451,11 @@ class BlendEngine:
                     hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
                     kv = torch.stack((k, v))  # [2, T, H, D]
                 else:
-                    kv = self._cached_layer(rows, pending, layer_idx, counters)  # this layer's own buffer
+                    kv = probed.pop(layer_idx, None)
+                    if kv is None:
+                        kv = self._cached_layer(rows, pending, layer_idx, counters)  # this layer's own buffer
+                    elif kv.shape[1] != num_tokens:  # the probe also held the query vLLM computes
+                        kv = kv[:, :num_tokens].contiguous()
                     new_active = active
                     if layer_idx in check_layers:
                         keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters)

@@ -69,6 +69,10 @@ class BlendPlan:
             logged and counted), e.g. fewer than ``min_tokens`` reusable tokens.
         forced_recompute: optional injected recompute set (prompt token indices) used by
             tests to compare adapters; None in serving.
+        selection: how reused tokens are chosen (:data:`blend.config.SELECTIONS`).
+        probe_layers: ``query_attention``: layers whose query attention is averaged (empty:
+            the engine's default for the model's depth).
+        sink_tokens: ``query_attention``: leading tokens of every hit chunk always recomputed.
     """
 
     token_ids: tuple[int, ...]
@@ -79,6 +83,9 @@ class BlendPlan:
     blend_end: int = 0
     full_prefill_reason: str | None = None
     forced_recompute: tuple[int, ...] | None = field(default=None, compare=False)
+    selection: str = "k_deviation"
+    probe_layers: tuple[int, ...] = ()
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         pos = 0
@@ -92,6 +99,8 @@ class BlendPlan:
             raise ValueError(f"blend_end={self.blend_end} outside 0..{len(self.token_ids)}")
         if len(self.recompute_ratios) != len(self.check_layers):
             raise ValueError("one recompute ratio per check layer")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens} must be >= 0")
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +113,15 @@ class BlendPlan:
     @property
     def hit_segments(self) -> tuple[Segment, ...]:
         return tuple(s for s in self.segments if s.kind == CHUNK and s.hit)
+
+    @property
+    def query_rows(self) -> tuple[int, int] | None:
+        """``(start, end)`` of the query segment (the prompt's last segment after a
+        separator), or None when the prompt has none."""
+        last = self.segments[-1] if self.segments else None
+        if last is None or last.kind != QUERY or last.num_tokens == 0:
+            return None
+        return last.start, last.end
 
     @property
     def missed_segments(self) -> tuple[Segment, ...]:

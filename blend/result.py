@@ -26,6 +26,10 @@ class BlendCounters:
             in every layer.
         selected_tokens: reused tokens chosen at the last check layer.
         recomputed_tokens_per_layer: rows computed in each layer (``T`` up to the first check layer).
+        selection: how reused tokens were chosen (:data:`blend.config.SELECTIONS`).
+        selection_fallback: why the plan's selection was not used (e.g. ``"no query
+            segment"`` for ``query_attention``), None when it was.
+        probe_s: seconds of the ``query_attention`` probe and selection (part of ``compute_s``).
         load_wait_s: time the engine waited for the source.
         compute_s: the rest of the request's wall time.
         full_prefill_reason: why the request was computed by full prefill (None when blended).
@@ -37,6 +41,9 @@ class BlendCounters:
     computed_tokens: int = 0
     selected_tokens: int = 0
     recomputed_tokens_per_layer: list[int] = field(default_factory=list)
+    selection: str = ""
+    selection_fallback: str | None = None
+    probe_s: float = 0.0
     load_wait_s: float = 0.0
     compute_s: float = 0.0
     full_prefill_reason: str | None = None

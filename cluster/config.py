@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from blend.config import BlendConfig
+from blend.config import LMCACHE_SELECTION, BlendConfig
 from cluster import env as envmod
 from tiers.config import TiersConfig, _f, check_fields
 
@@ -213,9 +213,10 @@ def load_config(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {name: "default" for name in FIELD_SECTION}
 
+    lmcache_fields: set[str] = set()  # fields set through an LMCache name
     path = yaml_path or environ.get("KVBLEND_CONFIG") or environ.get("LMCACHE_CONFIG_FILE")
     if path:
-        for name, value in _read_yaml(path).items():
+        for name, value in _read_yaml(path, lmcache_fields).items():
             values[name] = value
             sources[name] = f"file {path}"
 
@@ -228,6 +229,7 @@ def load_config(
             if mapped:
                 values[mapped[0]] = mapped[1]
                 sources[mapped[0]] = f"env {origin}"
+                lmcache_fields.add(mapped[0])
 
     for key, value in (overrides or {}).items():
         origin = f"{overrides_origin} {key}"
@@ -239,10 +241,23 @@ def load_config(
             if mapped:
                 values[mapped[0]] = mapped[1]
                 sources[mapped[0]] = overrides_origin
+                lmcache_fields.add(mapped[0])
         else:
             raise ValueError(f"unknown config key {key!r} ({overrides_origin}); known keys: "
                              + ", ".join(sorted(FIELD_SECTION)))
+    _lmcache_selection(values, sources, lmcache_fields)
     return build(values, sources)
+
+
+def _lmcache_selection(values: dict[str, Any], sources: dict[str, str], lmcache_fields: set[str]) -> None:
+    """A config that sets LMCache's blend variables (``LMCACHE_BLEND_*``, ``blend_*`` keys of
+    an LMCache file or extra config) gets LMCache's selection, CacheBlend's K deviation,
+    unless it names a ``selection`` itself: LMCache's variables keep meaning what they meant
+    (issue 17)."""
+    blend = sorted(n for n in lmcache_fields if FIELD_SECTION.get(n) == "blend")
+    if "selection" not in values and blend:
+        values["selection"] = LMCACHE_SELECTION
+        sources["selection"] = f"LMCache blend settings ({', '.join(blend)})"
 
 
 def build(values: dict[str, Any], sources: dict[str, str] | None = None) -> KVBlendConfig:
@@ -266,7 +281,9 @@ def build(values: dict[str, Any], sources: dict[str, str] | None = None) -> KVBl
     return KVBlendConfig(sources=types.MappingProxyType(srcs), **parts)
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def _read_yaml(path: str, lmcache_fields: set[str] | None = None) -> dict[str, Any]:
+    """The file's values by field name; fields named through LMCache keys go into
+    ``lmcache_fields``."""
     import yaml
 
     try:
@@ -287,6 +304,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
             mapped = _from_lmcache(key, raw, origin)
             if mapped:
                 out[mapped[0]] = mapped[1]
+                if lmcache_fields is not None:
+                    lmcache_fields.add(mapped[0])
         elif key in ("extra_config", "lookup_url", "distributed_url", "pre_caching_hash_algorithm"):
             log.warning("%s: LMCache setting not used by kvblend; ignored", origin)
         else:

@@ -165,14 +165,16 @@ def blend_prompt(prefix, chunks, query, sep=(7, 8)):
 
 
 def plan_for(ids, spans, client, *, ratio=0.15, check_layers=(1,), min_tokens=0,
-             query_to_engine=True, thresholds=()) -> BlendPlan:
+             query_to_engine=True, thresholds=(), selection="k_deviation", probe_layers=(),
+             sink_tokens=4) -> BlendPlan:
     """The planner's plan for ``ids``/``spans`` (keys under :data:`NAMESPACE`), looked up in
     ``client``."""
     from blend.config import BlendConfig
     from blend.planner import make_plan
 
     config = BlendConfig(check_layers=tuple(check_layers), recompute_ratios=(ratio,),
-                         recompute_thresholds=tuple(thresholds), min_tokens=min_tokens)
+                         recompute_thresholds=tuple(thresholds), min_tokens=min_tokens,
+                         selection=selection, probe_layers=tuple(probe_layers), sink_tokens=sink_tokens)
     return make_plan(ids, spans, NAMESPACE, client, config, query_to_engine=query_to_engine)
 
 

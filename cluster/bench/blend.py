@@ -13,14 +13,20 @@ Per example (rows of ../shared/data/qa/, MuSiQue by default, the first N):
 3. the answer is decoded greedily (``max_new_tokens`` 16) from each mode's KV by the same HF
    decode loop, and scored.
 
-JSON: one object per mode with ``ttft_s`` (median), ``ttft_ratio`` (median blend / median
-full), ``f1`` (max over gold answers, SQuAD normalization; with SmolLM2-135M it is noise),
+Modes: ``full``; ``reuse`` (ratio 0: nothing recomputed, one shared row, the same in every
+selection); ``recompute_all`` (ratio 1.0, shared likewise); and ``<selection>@<ratio>`` for
+every ``--selection`` (:data:`blend.config.SELECTIONS`) and every other ratio.
+
+JSON: per dataset, one object per mode with ``ttft_s`` (median), ``ttft_ratio`` (median blend
+/ median full), ``probe_share`` (median share of TTFT spent in the query-attention probe),
+``f1`` (max over gold answers, SQuAD normalization; with SmolLM2-135M it is noise),
 ``agreement`` (token F1 vs the full-prefill answer) and its bootstrap 90% interval,
 ``first_token_match``, ``kl_first`` (mean KL(p_full || p_blend) of the first token),
 ``nll_self`` (mean per-token NLL of the full-prefill answer teacher-forced on the mode's KV),
-``gap_recovered`` ((nll_self at ratio 0 - nll_self) / (nll_self at ratio 0 - nll_self of full),
-ratio of means), ``nll_gold``, ``recomputed_tokens`` (rows computed above the check layer),
-``reused_tokens``. A PNG of quality and TTFT against the ratio sits beside the JSON.
+``gap_recovered`` ((NLL_reuse - NLL_mode) / (NLL_reuse - NLL_full), NLL_reuse from the
+shared ``reuse`` row, ratio of means), ``nll_gold``, ``recomputed_tokens`` (rows computed in
+the top layer), ``reused_tokens``. A PNG of gap recovered and agreement against the TTFT
+ratio, a line per selection and a panel per dataset, sits beside the JSON.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ DEFAULT_RATIOS = "0,0.05,0.15,0.3,1.0"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", required=True, metavar="PATH", help="write results here (a PNG goes beside it)")
-    p.add_argument("--dataset", default="musique", help="musique, wikimqa or a *.norm.jsonl path")
+    p.add_argument("--dataset", default="musique",
+                   help="musique, wikimqa or a *.norm.jsonl path; comma-separated for several (a table each)")
     p.add_argument("--num-examples", type=int, default=20, help="first N rows (default 20)")
     p.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"recompute ratios (default {DEFAULT_RATIOS})")
     p.add_argument("--check-layers", default="1", help="0-based check layers, comma-separated (default 1)")
@@ -54,8 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads for both modes (0: torch default)")
     p.add_argument("--max-passages", type=int, default=0, help="use only the first K passages (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--score", default="k", choices=("k", "v", "kv"),
-                   help="deviation ranking reused tokens at the check layer (default k, the paper's)")
+    p.add_argument("--selection", default="k_deviation,query_attention",
+                   help="selections to compare, comma-separated (k_deviation, v_deviation, kv_deviation, "
+                        "query_attention; default k_deviation,query_attention)")
+    p.add_argument("--probe-layers", default="", help="query_attention: probe layers (default: the engine's)")
+    p.add_argument("--sink-tokens", type=int, default=None, help="query_attention: sink tokens per chunk "
+                                                                "(default: the blend config's)")
     p.add_argument("--separator", default=None, help="segment separator (default: blend config's)")
 
 
@@ -117,61 +128,101 @@ def _bootstrap(values: list[float], seed: int = 0, rounds: int = 2000) -> list[f
     return [means[int(0.05 * rounds)], means[int(0.95 * rounds) - 1]]
 
 
-def _plot(summary: dict, ratios: list[float], modes: list[str], path: str) -> None:
+@dataclass(frozen=True)
+class _Mode:
+    """One row of the table: a selection at a ratio (``reuse``/``recompute_all`` are shared)."""
+
+    name: str
+    selection: str
+    ratio: float
+
+
+def _modes(ratios: list[float], selections: list[str]) -> list[_Mode]:
+    """``reuse`` for ratio 0, ``recompute_all`` for ratio 1, ``<selection>@<ratio>`` between
+    (nothing to rank at 0 or 1: every selection gives the same rows there)."""
+    modes = []
+    for r in ratios:
+        if r == 0.0:
+            modes.append(_Mode("reuse", "k_deviation", 0.0))
+        elif r == 1.0:
+            modes.append(_Mode("recompute_all", "k_deviation", 1.0))
+        else:
+            modes += [_Mode(f"{sel}@{r:g}", sel, r) for sel in selections]
+    return modes
+
+
+def _plot(summaries: dict, modes: list[_Mode], selections: list[str], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for key in ("agreement", "first_token_match", "gap_recovered"):
-        ax1.plot(ratios, [summary[m][key] for m in modes], marker="o", label=key)
-    ax1.set_xlabel("recompute ratio")
-    ax1.set_ylabel("fidelity to full prefill")
-    ax1.set_ylim(-0.05, 1.05)
-    ax1.legend()
-    ax2.plot(ratios, [summary[m]["ttft_ratio"] for m in modes], marker="o", label="blend / full")
-    ax2.axhline(1.0, color="gray", linestyle="--", label="full prefill")
-    ax2.set_xlabel("recompute ratio")
-    ax2.set_ylabel("TTFT ratio (median)")
-    ax2.legend()
-    fig.suptitle(f"kvblend bench blend ({summary['meta']['dataset']}, N={summary['meta']['num_examples']})")
+    fig, axes = plt.subplots(2, len(summaries), figsize=(5.5 * len(summaries), 8), squeeze=False)
+    for col, (dataset, summary) in enumerate(summaries.items()):
+        for row, key in enumerate(("gap_recovered", "agreement")):
+            ax = axes[row][col]
+            for sel in selections:
+                pts = [m for m in modes if m.selection == sel or m.name in ("reuse", "recompute_all")]
+                pts = sorted(pts, key=lambda m: m.ratio)
+                xs = [summary[m.name]["ttft_ratio"] for m in pts]
+                ys = [summary[m.name][key] for m in pts]
+                ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=sel)
+                for m, x, y in zip(pts, xs, ys, strict=True):
+                    if y is not None and sel == selections[0]:
+                        ax.annotate(f"{m.ratio:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, -9))
+            ax.set_xlabel("TTFT / full prefill (median)")
+            ax.set_ylabel(key.replace("_", " "))
+            ax.set_title(f"{dataset}, N={summary['meta']['num_examples']}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("kvblend bench blend: quality against TTFT per selection (labels: recompute ratio)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
-    """The benchmark: set up once, then per example store its passages, time and decode full
-    prefill, time and decode each blend ratio; write the JSON, the PNG and a table."""
+    """The benchmark: set up once, then per dataset and example store its passages, time and
+    decode full prefill, time and decode each mode; write the JSON, the PNG and a table each."""
     import torch
     from tqdm import tqdm
 
+    from blend.config import SELECTIONS
+
     ratios = _floats(args.ratios, "ratios")
-    names = [f"blend_{x.strip()}" for x in args.ratios.split(",") if x.strip()]  # as typed: blend_0.15
     check_layers = tuple(int(x) for x in _floats(args.check_layers, "check-layers"))
     if any(not 0 <= r <= 1 for r in ratios):
         raise ValueError(f"--ratios={args.ratios!r}: each ratio must be in [0, 1]")
+    selections = [x.strip() for x in args.selection.split(",") if x.strip()]
+    bad = [x for x in selections if x not in SELECTIONS]
+    if bad or not selections:
+        raise ValueError(f"--selection={args.selection!r}: choose from {', '.join(SELECTIONS)}")
     if args.num_examples <= 0:
         raise ValueError(f"--num-examples={args.num_examples} must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
+    modes = _modes(ratios, selections)
     bench = _Bench(args, check_layers)
-    rows: list[dict] = []
+    summaries: dict[str, dict] = {}
     warmed = False
-    for ex in tqdm(bench.examples, desc="bench blend", unit="example"):
-        passages = list(ex.passages[:args.max_passages] if args.max_passages else ex.passages)
-        bench.store_passages(passages)
-        ids, spans = bench.prompt(passages, ex.question)
-        if not warmed:  # warm-up, excluded: allocator, thread pools, first-call paths
-            bench.full_forward(ids[:256])
-            bench.engine.blend(bench.plan_for(ids, spans, ratios[0]))
-            warmed = True
-        row, full = bench.full_mode(ex, ids)
-        for ratio, name in zip(ratios, names, strict=True):
-            row[name] = bench.blend_mode(ex, ids, spans, ratio, full)
-        rows.append(row)
-    _write(args, bench, rows, ratios, names, check_layers)
+    for dataset in [x.strip() for x in args.dataset.split(",") if x.strip()]:
+        rows: list[dict] = []
+        for ex in tqdm(bench.load(dataset), desc=f"bench blend {dataset}", unit="example"):
+            passages = list(ex.passages[:args.max_passages] if args.max_passages else ex.passages)
+            bench.store_passages(passages)
+            ids, spans = bench.prompt(passages, ex.question)
+            if not warmed:  # warm-up, excluded: allocator, thread pools, first-call paths
+                bench.full_forward(ids[:256])
+                for sel in selections:
+                    bench.engine.blend(bench.plan_for(ids, spans, 0.15, sel))
+                warmed = True
+            row, full = bench.full_mode(ex, ids)
+            for mode in modes:
+                row[mode.name] = bench.blend_mode(ex, ids, spans, mode, full)
+            rows.append(row)
+        summaries[dataset] = _summary(args, bench, dataset, rows, modes, check_layers)
+        _print(summaries[dataset], modes)
+    _write(args, summaries, modes, selections)
     bench.close()
     return 0
 
@@ -205,14 +256,12 @@ class _Bench:
         from cluster.config import cache_dir, load_config
         from cluster.namespace import namespace_for
         from cluster.workloads.model import resolve_model
-        from cluster.workloads.qa import load_examples, resolve_dataset
 
         self.torch, self.args, self.check_layers = torch, args, check_layers
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
         config = load_config(environ=dict(os.environ))
         self.path = resolve_model(args.model, cache_dir(config))
         self.separator = args.separator or config.blend.blend_separator
-        self.examples = load_examples(resolve_dataset(args.dataset), limit=args.num_examples)
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.adapter = HFModelAdapter.from_pretrained(self.path, dtype=dtype)
         self.model = self.adapter.model
@@ -222,18 +271,31 @@ class _Bench:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
         self.tier, self.tiers_used = _make_tier(self._tmp.name)
         self.client = LocalCacheClient(self.tier)
-        self.engine = BlendEngine(self.adapter, self.client, score=args.score)
+        self.engine = BlendEngine(self.adapter, self.client)
+        self.config = config.blend
+
+    def load(self, dataset: str) -> list:
+        """The first ``--num-examples`` rows of ``dataset``."""
+        from cluster.workloads.qa import load_examples, resolve_dataset
+
+        return load_examples(resolve_dataset(dataset), limit=self.args.num_examples)
 
     def close(self) -> None:
         _close(self.tier)
         self._tmp.cleanup()
 
-    def plan_for(self, ids, spans, ratio: float):
-        from blend.config import BlendConfig
+    def plan_for(self, ids, spans, ratio: float, selection: str):
+        """The planner's plan, as the connector makes it, for one mode."""
+        import dataclasses
+
         from blend.planner import make_plan
 
-        cfg = BlendConfig(blend_separator=self.separator, check_layers=self.check_layers,
-                          recompute_ratios=(ratio,), min_tokens=0)
+        probe = tuple(int(x) for x in _floats(self.args.probe_layers, "probe-layers")) \
+            if self.args.probe_layers else self.config.probe_layers
+        sinks = self.config.sink_tokens if self.args.sink_tokens is None else self.args.sink_tokens
+        cfg = dataclasses.replace(self.config, blend_separator=self.separator, check_layers=self.check_layers,
+                                  recompute_ratios=(ratio,), recompute_thresholds=(), min_tokens=0,
+                                  selection=selection, probe_layers=probe, sink_tokens=sinks)
         return make_plan(ids, spans, self.namespace, self.client, cfg, query_to_engine=True)
 
     def full_forward(self, ids):
@@ -278,20 +340,20 @@ class _Bench:
         full_text = tokenizer.decode(full_answer, skip_special_tokens=True).strip()
         gold = chunk_token_ids(tokenizer, ex.answers[0]) + [self.im_end] if ex.answers else []
         row = {"id": ex.id, "num_tokens": len(ids), "full": {
-            "ttft_s": ttft_full, "answer": full_text, "f1": max_f1(full_text, ex.answers),
+            "ttft_s": ttft_full, "probe_share": 0.0, "answer": full_text, "f1": max_f1(full_text, ex.answers),
             "agreement": 1.0, "first_token_match": 1.0, "kl_first": 0.0,
             "nll_self": _nll(model, full_kv, full_logits, full_answer, torch),
             "nll_gold": _nll(model, full_kv, full_logits, gold, torch),
             "recomputed_tokens": len(ids), "reused_tokens": 0}}
         return row, _Full(full_answer, full_text, torch.softmax(full_logits, -1), gold)
 
-    def blend_mode(self, ex, ids: list[int], spans, ratio: float, full: _Full) -> dict:
+    def blend_mode(self, ex, ids: list[int], spans, mode: _Mode, full: _Full) -> dict:
         """One blend mode's entry: plan + blend timed to the first logits, decoded, compared."""
         from cluster.workloads.qa import max_f1, token_f1
 
         torch, model = self.torch, self.model
         t0 = time.perf_counter()
-        plan = self.plan_for(ids, spans, ratio)
+        plan = self.plan_for(ids, spans, mode.ratio, mode.selection)
         res = self.engine.blend(plan)
         ttft = time.perf_counter() - t0
         answer = _decode(model, res.kv, res.logits, self.args.max_new_tokens, self.eos_ids, torch)
@@ -299,26 +361,29 @@ class _Bench:
         p_full = full.p_full
         log_p_blend = torch.log_softmax(res.logits, -1)
         return {
-            "ttft_s": ttft, "answer": text, "f1": max_f1(text, ex.answers),
-            "agreement": token_f1(text, full.text),
+            "ttft_s": ttft, "probe_share": res.counters.probe_s / ttft, "answer": text,
+            "f1": max_f1(text, ex.answers), "agreement": token_f1(text, full.text),
             "first_token_match": float(answer[0] == full.answer[0]),
             "kl_first": float((p_full * (torch.log(p_full.clamp_min(1e-30)) - log_p_blend)).sum()),
             "nll_self": _nll(model, res.kv, res.logits, full.answer, torch),
             "nll_gold": _nll(model, res.kv, res.logits, full.gold, torch),
             "recomputed_tokens": int(res.recompute_idx.numel()),
             "reused_tokens": res.counters.reused_tokens,
+            "selection": res.counters.selection,
             "load_wait_s": res.counters.load_wait_s,
             "full_prefill_reason": res.counters.full_prefill_reason}
 
 
-def _write(args: argparse.Namespace, bench: _Bench, rows: list[dict], ratios: list[float], names: list[str],
-           check_layers: tuple[int, ...]) -> None:
-    """The summary JSON, the PNG beside it and the table on stdout."""
-    summary = _summarize(rows, names)
+def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[dict], modes: list[_Mode],
+             check_layers: tuple[int, ...]) -> dict:
+    """One dataset's summary (per mode, see the module docstring), its meta and its rows."""
+    summary = _summarize(rows, [m.name for m in modes])
     summary["meta"] = {
-        "dataset": args.dataset, "num_examples": len(rows), "model": bench.path, "dtype": args.dtype,
+        "dataset": dataset, "num_examples": len(rows), "model": bench.path, "dtype": args.dtype,
         "threads": bench.torch.get_num_threads(), "check_layers": list(check_layers),
-        "separator": bench.separator, "score": args.score,
+        "separator": bench.separator, "probe_layers": args.probe_layers or list(bench.config.probe_layers),
+        "sink_tokens": bench.config.sink_tokens if args.sink_tokens is None else args.sink_tokens,
+        "modes": {m.name: {"selection": m.selection, "ratio": m.ratio} for m in modes},
         "tiers": bench.tiers_used, "max_passages": args.max_passages or None,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
         "prompt_format": PREFIX + " ⟨sep⟩ passage ... ⟨sep⟩ " + QUERY,
@@ -326,12 +391,16 @@ def _write(args: argparse.Namespace, bench: _Bench, rows: list[dict], ratios: li
                    "first_token_match, kl_first, gap_recovered) is the measure",
         "client_stats": _jsonable(bench.client.stats())}
     summary["examples"] = rows
+    return summary
+
+
+def _write(args: argparse.Namespace, summaries: dict, modes: list[_Mode], selections: list[str]) -> None:
+    """The JSON (``{"datasets": {name: summary}}``) and the PNG beside it."""
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:
-        json.dump(summary, fh, indent=1)
+        json.dump({"datasets": summaries}, fh, indent=1)
     png = os.path.splitext(args.json)[0] + ".png"
-    _plot(summary, ratios, names, png)
-    _print(summary, names)
+    _plot(summaries, modes, selections, png)
     print(f"wrote {args.json} and {png}")
 
 
@@ -371,12 +440,14 @@ def _summarize(rows: list[dict], names: list[str]) -> dict:
         vals = [r[m] for r in rows]
         s = {"ttft_s": statistics.median(v["ttft_s"] for v in vals)}
         s["ttft_ratio"] = s["ttft_s"] / full_ttft
+        s["ttft_ratio_iqr"] = _quartiles([v["ttft_s"] / r["full"]["ttft_s"] for v, r in zip(vals, rows, strict=True)])
+        s["probe_share"] = statistics.median(v["probe_share"] for v in vals)
         for k in keys:
             xs = [v[k] for v in vals if v[k] == v[k]]  # drop NaN
             s[k] = statistics.fmean(xs) if xs else float("nan")
         s["agreement_ci90"] = _bootstrap([v["agreement"] for v in vals])
         out[m] = s
-    zero = next((out[m] for m in names if float(m.removeprefix("blend_")) == 0.0), None)
+    zero = out.get("reuse")
     for m in modes:
         if zero is None:
             out[m]["gap_recovered"] = None
@@ -386,17 +457,37 @@ def _summarize(rows: list[dict], names: list[str]) -> dict:
     return out
 
 
-def _print(summary: dict, names: list[str]) -> None:
+def _quartiles(xs: list[float]) -> list[float]:
+    """``[q1, q3]`` of the per-example values (the spread behind a median)."""
+    if len(xs) < 2:
+        return [xs[0], xs[0]] if xs else [float("nan")] * 2
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
+
+
+def _print(summary: dict, modes: list[_Mode]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="kvblend bench blend (fidelity to full prefill)")
-    cols = ("ttft_s", "ttft_ratio", "agreement", "first_token_match", "kl_first", "nll_self",
-            "gap_recovered", "f1", "recomputed_tokens")
+    meta = summary["meta"]
+    table = Table(title=f"kvblend bench blend: {meta['dataset']}, N={meta['num_examples']}, "
+                        f"{meta['mean_prompt_tokens']:.0f} prompt tokens (fidelity to full prefill)")
+    cols = ("ttft_s", "ttft_ratio", "probe_share", "agreement", "first_token_match", "kl_first", "nll_self",
+            "gap_recovered", "recomputed_tokens", "reused_tokens")
     table.add_column("mode")
     for c in cols:
         table.add_column(c, justify="right")
-    for m in ["full"] + names:
+    for m in ["full"] + [m.name for m in modes]:
         s = summary[m]
-        table.add_row(m, *("-" if s[c] is None else f"{s[c]:.3f}" for c in cols))
+        cells = []
+        for c in cols:
+            v = s[c]
+            if v is None:
+                cells.append("-")
+            elif c == "agreement":
+                lo, hi = s["agreement_ci90"]
+                cells.append(f"{v:.3f} ({lo:.2f}-{hi:.2f})")
+            else:
+                cells.append(f"{v:.3f}" if c not in ("recomputed_tokens", "reused_tokens") else f"{v:.0f}")
+        table.add_row(m, *cells)
     Console().print(table)

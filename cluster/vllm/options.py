@@ -27,7 +27,7 @@ from typing import Any
 CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step", "load_async", "load_step_s")
 #: per-request kv_transfer_params understood by the connector.
 REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store",
-                  "kvblend_load_async")
+                  "kvblend_load_async", "kvblend_selection")
 #: default tokens of canonical-KV compute per engine step (bounds the stall of a decode step).
 STORE_TOKENS_PER_STEP = 512
 #: default seconds of async blend work per engine step that also runs other requests.

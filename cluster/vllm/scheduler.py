@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from blend.config import SELECTIONS
 from blend.plan import CHUNK, BlendPlan
 from blend.planner import make_plan
 from blend.segments import find_segments
@@ -199,13 +200,18 @@ class KVBlendScheduler:
         return state
 
     def _blend_config(self, params: dict[str, Any]):
-        """The config's blend section with the request's ``kvblend_recompute_ratio`` and
-        ``kvblend_blend`` applied.
+        """The config's blend section with the request's ``kvblend_recompute_ratio``,
+        ``kvblend_selection`` and ``kvblend_blend`` applied.
 
         Raises:
-            ValueError: a ratio outside ``[0, 1]``.
+            ValueError: a ratio outside ``[0, 1]`` or an unknown selection.
         """
         blend_cfg = self.config.blend
+        if "kvblend_selection" in params:
+            selection = params["kvblend_selection"]
+            if selection not in SELECTIONS:
+                raise ValueError(f"kvblend_selection={selection!r}: choose one of {', '.join(SELECTIONS)}")
+            blend_cfg = dataclasses.replace(blend_cfg, selection=selection)
         if "kvblend_recompute_ratio" in params:
             ratio = float(params["kvblend_recompute_ratio"])
             if not 0.0 <= ratio <= 1.0:

@@ -104,12 +104,9 @@ def test_unselected_rows_keep_cached_kv_bit_for_bit(make_setup):
 
 @pytest.mark.parametrize("score", ["k", "v", "kv"])
 def test_selected_rows_are_the_top_deviation(make_setup, score):
-    from blend.engine import BlendEngine
-
     engine, client, chunks = _setup(make_setup)
-    engine = BlendEngine(engine.model, client, score=score)
     ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
-    plan = plan_for(ids, spans, client, ratio=0.25)
+    plan = plan_for(ids, spans, client, ratio=0.25, selection=f"{score}_deviation")
     res = engine.blend(plan)
     full = engine.prefill(ids)
     # At the check layer (1) the fresh K and V equal full prefill's.

@@ -119,3 +119,22 @@ def test_cli_config_show_rejects_bad_value():
     r = _kvblend("config", "show", env={"LMCACHE_BLEND_RECOMPUTE_RATIOS": "abc"})
     assert r.returncode != 0
     assert "LMCACHE_BLEND_RECOMPUTE_RATIOS" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_lmcache_blend_settings_keep_cacheblend_selection(tmp_path):
+    """Issue 17: LMCache's blend variables (env, LMCache file or extra config) mean CacheBlend's
+    K deviation unless ``selection`` is named; our own keys get our default."""
+    from blend.config import BlendConfig
+
+    ours = load_config(environ={"KVBLEND_RECOMPUTE_RATIOS": "0.2"})
+    assert ours.blend.selection == BlendConfig().selection
+    assert load_config(environ={"LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.2"}).blend.selection == "k_deviation"
+    f = tmp_path / "lm.yaml"
+    f.write_text("blend_check_layers: [1]\n")
+    cfg = load_config(environ={"LMCACHE_CONFIG_FILE": str(f)})
+    assert cfg.blend.selection == "k_deviation" and "LMCache" in cfg.sources["selection"]
+    assert load_config(overrides={"blend_recompute_ratios": [0.3]}, environ={}).blend.selection == "k_deviation"
+    named = load_config(environ={"LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.2", "KVBLEND_SELECTION": "query_attention"})
+    assert named.blend.selection == "query_attention"
+    with pytest.raises(ValueError, match="selection"):
+        load_config(environ={"KVBLEND_SELECTION": "random"})

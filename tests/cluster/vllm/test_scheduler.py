@@ -206,6 +206,23 @@ def test_recompute_ratio_and_sync_load_per_request(make_scheduler, client, token
     assert not load.load_async and meta.has_prefill
 
 
+def test_selection_per_request_reaches_the_plan(make_scheduler, client, tokenizer, prompt, caplog):
+    """``kvblend_selection`` in kv_transfer_params picks the request's selection (issue 17);
+    an unknown one is a full prefill with one log line, never an error."""
+    store_passages(client, tokenizer)
+    ids, spans = prompt
+    sched = make_scheduler()
+    req = FakeRequest("r", ids, {"kvblend_selection": "query_attention", "kvblend_load_async": False})
+    assert sched.get_num_new_matched_tokens(req, 0) == (query_start(spans), False)
+    sched.update_state_after_alloc(req, FakeBlocks(range(40)), query_start(spans))
+    meta = sched.build_connector_meta(step(new=[("r", range(40), 0, len(ids))]))
+    (load,) = meta.loads
+    assert load.plan.selection == "query_attention" and load.plan.query_rows is not None
+    assert make_scheduler().get_num_new_matched_tokens(
+        FakeRequest("s", ids, {"kvblend_selection": "nope"}), 0) == (0, False)
+    assert "kvblend_selection='nope'" in caplog.text
+
+
 def test_a_bad_ratio_is_a_full_prefill_not_an_error(make_scheduler, client, tokenizer, prompt, caplog):
     store_passages(client, tokenizer)
     ids, _ = prompt

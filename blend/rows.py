@@ -1,0 +1,112 @@
+"""A blend request's rows: which are hit, reused or forced, and each layer's cached-KV buffer.
+
+:func:`request_rows` turns a :class:`~blend.plan.BlendPlan` into device index tensors once
+per request (the engine's step 1); :func:`check_layer_batch` and :func:`place_cached` validate
+one layer of the hit chunks as a source delivered it and put it, K re-rotated to the prompt
+positions, into the rows of that layer's ``[2, T, H, D]`` buffer (the engine's step 3).
+
+Axis letters as in :mod:`blend.engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from blend import ops
+from blend.plan import BlendPlan, Segment
+from blend.protocols import ModelSpec
+from blend.result import BlendCounters
+from tiers.keys import ChunkKey
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    """One request's row bookkeeping (:func:`request_rows`), on the model's device.
+
+    Attributes:
+        hits: the hit chunk segments inside ``[0, blend_end)``; keys: their chunk keys.
+        hit_rows: ``[Rh]`` int64 prompt rows covered by hit chunks, ascending.
+        stored_pos: ``[Rh]`` int64 positions their cached K was rotated at.
+        is_reused: ``[T]`` bool rows whose KV may stay cached (hit rows minus the logits row).
+        num_reused: ``is_reused.sum()``, the count the recompute ratio applies to.
+        forced: ``[T]`` bool rows named by ``plan.forced_recompute`` (None: select by score).
+        inv_freq: ``[D/2]`` float32 RoPE frequencies for re-rotation (None without hits).
+    """
+
+    hits: list[Segment]
+    keys: list[ChunkKey]
+    hit_rows: torch.Tensor
+    stored_pos: torch.Tensor
+    is_reused: torch.Tensor
+    num_reused: int
+    forced: torch.Tensor | None
+    inv_freq: torch.Tensor | None
+
+
+
+def request_rows(plan: BlendPlan, want_logits: bool, counters: BlendCounters, device: torch.device,
+                 inv_freq: Callable[[torch.device], torch.Tensor]) -> RequestRows:
+    """Which rows of ``[0, plan.blend_end)`` are hit, reused and forced, built once on the host
+    and moved to ``device`` once; fills the counters' hit/reused/computed numbers.
+    ``inv_freq(device)`` gives the RoPE frequencies (asked only when there are hits).
+
+    Raises:
+        RuntimeError: the plan's stored positions do not cover its hit rows.
+    """
+    num_tokens = plan.blend_end
+    hits = [s for s in plan.hit_segments if s.end <= num_tokens]
+    hit_rows = torch.cat([torch.arange(s.start, s.end) for s in hits]) if hits \
+        else torch.zeros(0, dtype=torch.int64)
+    stored_pos = torch.tensor([p for s in hits for p in s.stored_positions], dtype=torch.int64)
+    if stored_pos.shape != hit_rows.shape:
+        raise RuntimeError(f"plan carries {stored_pos.numel()} stored positions for {hit_rows.numel()} hit rows")
+    is_reused = torch.zeros(num_tokens, dtype=torch.bool)
+    is_reused[hit_rows] = True
+    if want_logits:
+        is_reused[num_tokens - 1] = False  # the last row's logits need its hidden state
+    num_reused = int(is_reused.sum())
+    counters.num_hit_segments = len(hits)
+    counters.reused_tokens = num_reused
+    counters.computed_tokens = num_tokens - num_reused
+    forced = None
+    if plan.forced_recompute is not None:
+        forced = torch.zeros(num_tokens, dtype=torch.bool)
+        forced[torch.tensor([i for i in plan.forced_recompute if 0 <= i < num_tokens], dtype=torch.int64)] = True
+        forced = forced.to(device)
+    return RequestRows(hits, [s.key for s in hits], hit_rows.to(device), stored_pos.to(device),
+                       is_reused.to(device), num_reused, forced, inv_freq(device) if hits else None)
+
+
+def check_layer_batch(rows: RequestRows, got, spec: ModelSpec, layer_idx: int) -> str | None:
+    """Why layer ``layer_idx`` of the hit chunks, as a source delivered it (``got``: one
+    ``[2, n_i, H, D]`` tensor per hit, or None), cannot be used; None when it can."""
+    if got is None or len(got) != len(rows.hits):
+        return f"layer {layer_idx} of the cached chunks could not be read"
+    for seg, chunk_kv in zip(rows.hits, got, strict=True):
+        want = (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim)
+        if chunk_kv is None or tuple(chunk_kv.shape) != want:
+            return (f"layer {layer_idx} of chunk {seg.key} could not be read ("
+                    f"{'missing' if chunk_kv is None else f'shape {tuple(chunk_kv.shape)} != {want}'})")
+    return None
+
+
+def place_cached(kv: torch.Tensor, rows: RequestRows, got) -> None:
+    """Put a checked layer (:func:`check_layer_batch`) into the hit rows of ``kv``
+    ``[2, T, H, D]``: V as stored, K re-rotated from the stored to the prompt positions.
+
+    On CUDA the compute stream first waits on the layer's ``ready`` event (a
+    :class:`~tiers.codec.LayerBatch` from a staging source): the device waits, not the host.
+    One cat and one scatter rather than a copy per chunk: per-layer host overhead is what
+    bounds the engine below 16K tokens (issue 9). Dispatch alone (tiny tensors, one CPU
+    thread, 2026-11-29): 8 (64) chunk copies 84 (514) us, cat + index_put 19 (45) us; the
+    price is one more pass over the hit rows (~7 us at 4K tokens of the 7B shape).
+    """
+    ready = getattr(got, "ready", None)
+    if ready is not None:
+        torch.cuda.current_stream(kv.device).wait_event(ready)
+    stored = torch.cat(got, dim=1).to(device=kv.device, dtype=kv.dtype)  # [2, Rh, H, D]
+    ops.rerotate_k_(stored[0], rows.stored_pos, rows.hit_rows, rows.inv_freq)  # in place
+    kv[:, rows.hit_rows] = stored

@@ -1,0 +1,209 @@
+"""Query-aware selection (``query_attention``, issue 17) against plain-torch references and
+full prefill, on tiny random-weight models, float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from blend.query_selection import (
+    default_probe_layers,
+    probe_layers_for,
+    query_attention_mass,
+    select_by_query_mass,
+)
+from blend.selection import num_to_select
+from tests.factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks
+
+SELECTIONS = ["k_deviation", "v_deviation", "kv_deviation", "query_attention"]
+
+
+def _setup(make_setup, model_type="llama", num_chunks=3, chunk_len=24, **kw):
+    engine, client = make_setup(model_type, **kw)
+    chunks = random_chunks(num_chunks, chunk_len)
+    store_chunks(engine, client, chunks)
+    return engine, client, chunks
+
+
+def test_mass_matches_full_attention_weights_of_a_tiny_model(make_setup):
+    """The ranking signal equals the query rows' attention weights that HF's own eager
+    attention computes (summed over heads and query rows) when every row is fresh."""
+    engine, _ = make_setup("llama")
+    model = engine.model.model
+    model.config._attn_implementation = "eager"
+    ids = random_chunks(1, 40)[0]
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_attentions=True, use_cache=True)
+    layer = 1
+    want = out.attentions[layer][0, :, -6:, :].sum(dim=(0, 1))  # [T]: last 6 rows as the query
+    # Our side: q and k of that layer from the engine's own adapter over full prefill.
+    res = engine.prefill(ids)
+    hidden, residual = engine.model.embed(torch.tensor(ids)), None
+    positions = torch.arange(len(ids))
+    for i in range(layer + 1):
+        q, k, v, residual = engine.model.qkv(i, hidden, residual, positions)
+        if i < layer:
+            from blend.ops import causal_attention
+            hidden, residual = engine.model.finish_layer(i, causal_attention(q, k, v, None, engine.scale), residual)
+    assert_close(k, res.kv[layer][0], **F32_TOL)
+    got = query_attention_mass(q[-6:], positions[-6:], k, engine.scale)
+    assert_close(got, want.float(), atol=1e-5, rtol=1e-4)
+    assert got.sum().item() == pytest.approx(6 * engine.spec.num_heads, rel=1e-5)
+
+
+def test_mass_is_causal_and_gqa_aware():
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 8)       # Q=3 rows, Hq=4
+    k = torch.randn(10, 2, 8)      # T=10, H=2 (groups of 2)
+    q_pos = torch.tensor([5, 6, 9])
+    got = query_attention_mass(q, q_pos, k, 0.3)
+    want = torch.zeros(10)
+    for r in range(3):
+        for h in range(4):
+            logits = (q[r, h] @ k[: q_pos[r] + 1, h // 2].T) * 0.3
+            want[: q_pos[r] + 1] += torch.softmax(logits, -1)
+    assert_close(got, want)
+    with pytest.raises(ValueError):
+        query_attention_mass(q, q_pos, torch.randn(10, 3, 8), 0.3)
+
+
+def test_selection_keeps_sinks_and_the_budget():
+    mass = torch.tensor([9.0, 0.1, 0.2, 5.0, 0.3, 0.0, 7.0, 0.05, 0.4, 6.0])
+    reused = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    sinks = torch.tensor([1, 5])
+    got = select_by_query_mass(mass, reused, sinks, ratio=0.5, num_reused=8)  # budget 4
+    assert got.tolist() == [1, 3, 5, 6]  # both sinks, then the two highest (6: 7.0, 3: 5.0)
+    # Sinks alone over the budget: the sinks with most mass win, the budget holds.
+    got = select_by_query_mass(mass, reused, torch.tensor([1, 2, 4, 8]), ratio=0.25, num_reused=8)
+    assert got.tolist() == [4, 8]
+    assert select_by_query_mass(mass, reused, sinks, ratio=0.0, num_reused=8).numel() == 0
+
+
+def test_default_probe_layers_follow_depth():
+    assert default_probe_layers(30) == (8, 11, 15)
+    assert default_probe_layers(4) == (1, 2)
+    assert probe_layers_for((5, 2, 5), 30) == (2, 5)
+    with pytest.raises(ValueError):
+        probe_layers_for((30,), 30)
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_ratio_one_is_full_prefill_in_every_mode(make_setup, model_type, selection):
+    engine, client, chunks = _setup(make_setup, model_type)
+    ids, spans = blend_prompt([1, 2, 3], [chunks[2], chunks[0], chunks[1]], [4, 5, 6, 9])
+    res = engine.blend(plan_for(ids, spans, client, ratio=1.0, selection=selection))
+    full = engine.prefill(ids)
+    assert res.counters.full_prefill_reason is None and res.counters.selection == selection
+    assert res.counters.selected_tokens == 72
+    for got, want in zip(res.kv, full.kv, strict=True):
+        assert_close(got, want, **F32_TOL)
+    assert_close(res.logits, full.logits, **F32_TOL)
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.15, 0.3])
+def test_budget_holds_in_every_mode(make_setup, selection, ratio):
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+    res = engine.blend(plan_for(ids, spans, client, ratio=ratio, selection=selection, sink_tokens=4))
+    c = res.counters
+    budget = num_to_select(c.reused_tokens, ratio)
+    assert c.selected_tokens == budget
+    assert res.recompute_idx.numel() == c.computed_tokens + budget
+    if selection == "query_attention":  # every layer computes the same rows, layer 0 included
+        assert c.recomputed_tokens_per_layer == [c.computed_tokens + budget] * engine.spec.num_layers
+        assert (c.probe_s > 0) == (budget > 0)
+
+
+PASSAGES = [
+    "The Amazon river flows through Brazil, Peru and Colombia and carries more water than any "
+    "other river on Earth. Its basin covers about seven million square kilometres of rainforest.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa. Its summit, Uhuru Peak, "
+    "rises 5,895 metres above sea level and is covered by shrinking glaciers.",
+    "The painter Ilse Marvenholt was born in the harbour town of Quellstad in 1871. She spent "
+    "her whole life in Quellstad and painted its fishing boats in more than four hundred works.",
+    "The Great Barrier Reef lies off the coast of Queensland in Australia. It is the largest "
+    "coral reef system in the world and can be seen from space.",
+]
+
+
+def test_query_attention_recomputes_the_passage_the_answer_is_in(smollm2_path):
+    """SmolLM2-135M, four passages, a question only passage 2 answers: at ratio 0.15 with no
+    sink tokens, passage 2 gets the largest share of the recompute set under
+    ``query_attention`` (more than a quarter, its fair share)."""
+    from transformers import AutoTokenizer
+
+    from blend.adapters.hf import HFModelAdapter
+    from blend.engine import BlendEngine
+    from blend.segments import build_blend_prompt, chunk_token_ids
+    from cluster.cache.local import LocalCacheClient
+    from tests.factories import NAMESPACE
+    from tiers.keys import segment_key
+    from tiers.tier import MemoryTier
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    adapter = HFModelAdapter.from_pretrained(smollm2_path, dtype=torch.float32)
+    client = LocalCacheClient(MemoryTier(1 << 30, name="host"))
+    engine = BlendEngine(adapter, client)
+    for text in PASSAGES:
+        ids = chunk_token_ids(tokenizer, text)
+        client.put(segment_key(NAMESPACE, ids), torch.stack(engine.prefill(ids, want_logits=False).kv))
+    client.flush()
+    ids, spans = build_blend_prompt(tokenizer, "Answer from the passages.", PASSAGES,
+                                    "Question: In which town was the painter Ilse Marvenholt born?\nAnswer:",
+                                    add_bos=False)
+    with torch.no_grad():
+        res = engine.blend(plan_for(ids, spans, client, ratio=0.15, selection="query_attention", sink_tokens=0))
+    assert res.counters.selection == "query_attention" and res.counters.num_hit_segments == 4
+    chunk_spans = [(s, e) for kind, s, e in spans if kind == "chunk"]
+    chosen = res.recompute_idx.tolist()
+    share = [sum(s <= r < e for r in chosen) for s, e in chunk_spans]
+    assert sum(share) == res.counters.selected_tokens
+    assert max(range(4), key=share.__getitem__) == 2, share
+    assert share[2] > sum(share) / 4, share
+
+
+def test_query_attention_without_a_query_falls_back_to_k_deviation(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [])  # ends with a separator: no query segment
+    res = engine.blend(plan_for(ids, spans, client, ratio=0.15, selection="query_attention"))
+    assert res.counters.selection == "k_deviation"
+    assert res.counters.selection_fallback == "no query segment"
+    assert res.counters.selected_tokens == num_to_select(72, 0.15)
+
+
+def test_query_attention_with_the_query_left_to_vllm(make_setup):
+    """blend_end < T (the connector): the probe reads the query rows, the blend returns only
+    ``[0, blend_end)``; at ratio 1.0 that equals full prefill of the prompt's first rows."""
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9])
+    for ratio in (0.15, 1.0):
+        plan = plan_for(ids, spans, client, ratio=ratio, selection="query_attention", query_to_engine=False)
+        assert plan.blend_end < len(ids)
+        res = engine.blend(plan, want_logits=False)
+        assert res.counters.selection == "query_attention" and res.counters.full_prefill_reason is None
+        assert all(kv.shape[1] == plan.blend_end and kv.is_contiguous() for kv in res.kv)
+    full = engine.prefill(ids[:plan.blend_end], want_logits=False)
+    for got, want in zip(res.kv, full.kv, strict=True):
+        assert_close(got, want, **F32_TOL)
+
+
+def test_query_attention_unreadable_layer_falls_back_to_full_prefill(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    plan = plan_for(ids, spans, client, ratio=0.15, selection="query_attention")
+    client.fetch_layers = lambda keys, layers: [_resolved(None) for _ in layers]
+    res = engine.blend(plan)
+    full = engine.prefill(ids)
+    assert res.counters.full_prefill_reason is not None
+    assert_close(res.logits, full.logits, **F32_TOL)
+
+
+def _resolved(value):
+    from concurrent.futures import Future
+
+    fut = Future()
+    fut.set_result(value)
+    return fut
