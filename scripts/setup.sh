@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=$ROOT/.venv
 PY=${PYTHON:-python3}
+# No wheel cache: a fresh machine gains nothing from it and it doubles the disk the install
+# needs (a CI run once died of ENOSPC inside pip).
+export PIP_NO_CACHE_DIR=1
 
 # --- system packages: redis-server (tests, demo), chromium (the dashboard DOM test) ----
 missing=()
