@@ -27,12 +27,12 @@ class BlendConfig:
     blend_separator: str = _f(
         DEFAULT_SEPARATOR, "string that separates segments of a blend prompt (LMCache's ' # # ' is accepted too)")
     check_layers: tuple[int, ...] = _f(
-        (1,), "0-based layer indices where tokens are re-selected by K deviation", (0, 4096))
+        (1,), "0-based layer indices where the deviation selections re-select tokens (unused by query_attention)", (0, 4096))
     recompute_ratios: tuple[float, ...] = _f(
-        (0.15,), "share of reused tokens recomputed after each check layer (one value applies to all)",
+        (0.15,), "share of reused tokens recomputed after each check layer (one value applies to all; query_attention uses the first)",
         (0.0, 1.0))
     recompute_thresholds: tuple[float, ...] = _f(
-        (), "optional K-deviation floor per check layer: selected tokens scoring below it are not recomputed",
+        (), "optional deviation floor per check layer: selected tokens scoring below it are not recomputed (unused by query_attention)",
         (0.0, 1e30))
     selection: str = _f(
         "k_deviation", "how reused tokens are chosen for recompute: k_deviation / v_deviation / kv_deviation "

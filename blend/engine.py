@@ -13,6 +13,13 @@ Algorithm (Yao et al., "CacheBlend", EuroSys 2025, §4.2-§4.3 selection, §5 pi
                        cached, re-rotated KV of the rest; each row attends causally over it
     later check layer  the continuing reused rows are re-scored and cut to that layer's ratio
 
+That is the plan's ``selection`` ``k_deviation`` (``v_deviation``, ``kv_deviation``: V or K+V
+deviation instead). With ``query_attention`` the rows are chosen once, before layer 0, by a
+probe of the query's attention over the cached context (:mod:`blend.query_selection`); then
+no layer computes every row and the check layers are not used. Selection is one hook,
+:meth:`BlendEngine._select` at a check layer or :meth:`BlendEngine._select_by_query` before
+the layer loop; the loop itself is the same for every mode.
+
 Every cached layer the request needs (the first check layer and up) is requested from the
 :class:`KVSource` in one call when the blend starts; the source moves them in the background
 while the engine computes, so loading overlaps compute (§5), and on CUDA the compute stream

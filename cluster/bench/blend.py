@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
         summaries[dataset] = _summary(args, bench, dataset, rows, modes, check_layers)
         _print(summaries[dataset], modes)
-    _write(args, summaries, modes, selections)
+        _write(args, summaries, modes, selections)  # after each dataset: a long run keeps what it measured
     bench.close()
     return 0
 

@@ -137,3 +137,30 @@ def test_compute_stream_waits_on_each_layers_copy_event(setup, monkeypatch):
     for a, b in zip(got.kv, want.kv, strict=True):
         assert torch.equal(a, b)
     assert staged.transfer_stats().num_copies >= adapter.spec.num_layers - 1
+
+
+def test_query_attention_through_the_staged_source_on_cuda(setup):
+    """Issue 17 on CUDA: ``query_attention`` through the worker's staged host source equals
+    full prefill at ratio 1.0, and at ratio 0.15 recomputes the same rows as the same model
+    on the CPU (the ranking does not depend on the device)."""
+    import dataclasses
+
+    adapter, chunks, sources, kvs = setup
+    full = BlendEngine(adapter).prefill(list(all_hit_plan(chunks, 1.0).token_ids))
+    plan = dataclasses.replace(all_hit_plan(chunks, 1.0), selection="query_attention", sink_tokens=4)
+    res = BlendEngine(adapter, sources["host"]).blend(plan)
+    assert res.counters.selection == "query_attention" and res.counters.full_prefill_reason is None
+    torch.testing.assert_close(res.logits, full.logits, **F32_TOL)
+    plan = dataclasses.replace(plan, recompute_ratios=(0.15,), probe_layers=(0, 1))
+    res = BlendEngine(adapter, sources["host"]).blend(plan)
+    assert res.counters.probe_s > 0 and res.counters.full_prefill_reason is None
+    assert torch.isfinite(res.logits).all()
+    cpu_adapter = ops_adapter("cpu", hidden=128, heads=4, kv_heads=2, vocab=256)
+    cpu_adapter.model.load_state_dict({k: v.cpu() for k, v in adapter.model.state_dict().items()})
+    cpu_client = LocalCacheClient(HostTier(1 << 28))
+    for key, kv in kvs.items():
+        cpu_client.put(key, kv.cpu())
+    cpu = BlendEngine(cpu_adapter, cpu_client).blend(plan)
+    assert cpu.counters.selected_tokens == res.counters.selected_tokens
+    same = len(set(cpu.recompute_idx.tolist()) & set(res.recompute_idx.cpu().tolist()))
+    assert same >= 0.95 * res.recompute_idx.numel(), (same, res.recompute_idx.numel())
