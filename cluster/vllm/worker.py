@@ -229,14 +229,17 @@ class KVBlendWorker:
         c = result.counters
         run.record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
                           reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
-                          selected_tokens=c.selected_tokens,
+                          selected_tokens=c.selected_tokens, selection=c.selection,
+                          selection_fallback=c.selection_fallback, probe_s=c.probe_s,
                           recomputed_tokens_per_layer=c.recomputed_tokens_per_layer,
                           load_wait_s=c.load_wait_s, compute_s=c.compute_s,
                           full_prefill_reason=c.full_prefill_reason,
                           fallback=c.full_prefill_reason is not None)
         self._counters.bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,
                             reused_tokens=c.reused_tokens, selected_tokens=c.selected_tokens,
-                            computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s)
+                            computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s,
+                            query_selections=int(c.selection == "query_attention"),
+                            selection_fallbacks=int(c.selection_fallback is not None), probe_s=c.probe_s)
         if c.full_prefill_reason is not None:
             self._counters.bump(fallbacks=1)
 

@@ -139,7 +139,8 @@ def test_second_check_layer_shrinks_the_set(make_setup):
     from blend.planner import make_plan
     from tests.factories import NAMESPACE
     plan = make_plan(ids, spans, NAMESPACE, client,
-                     BlendConfig(check_layers=(1, 2), recompute_ratios=(0.5, 0.2), min_tokens=0),
+                     BlendConfig(check_layers=(1, 2), recompute_ratios=(0.5, 0.2), min_tokens=0,
+                                 selection="k_deviation"),
                      query_to_engine=True)
     res = engine.blend(plan)
     per_layer = res.counters.recomputed_tokens_per_layer

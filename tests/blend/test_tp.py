@@ -49,7 +49,7 @@ def _prompt():
     return chunks, ids, spans
 
 
-def _blend_all(engine, client, ns, chunks, ids, spans, ratios):
+def _blend_all(engine, client, ns, chunks, ids, spans, ratios, selection="k_deviation"):
     """Store each chunk's canonical KV under ``ns``, then blend ``ids`` at each ratio."""
     keys = []
     for c in chunks:
@@ -58,7 +58,7 @@ def _blend_all(engine, client, ns, chunks, ids, spans, ratios):
         client.put(keys[-1], kv)
     out = {"keys": [str(k) for k in keys]}
     for ratio in ratios:
-        config = BlendConfig(check_layers=(1,), recompute_ratios=(ratio,), min_tokens=0)
+        config = BlendConfig(check_layers=(1,), recompute_ratios=(ratio,), min_tokens=0, selection=selection)
         plan = make_plan(ids, spans, ns, client, config, query_to_engine=True)
         res = engine.blend(plan)
         out[ratio] = {"kv": torch.stack(res.kv), "logits": res.logits, "idx": res.recompute_idx,
@@ -105,9 +105,10 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         engine = BlendEngine(adapter, client, process_group=dist.group.WORLD)
         out = _blend_all(engine, client, ns, chunks, ids, spans, (1.0, 0.15))
         out["namespace"] = ns
+        out["query"] = _blend_all(engine, client, ns, chunks, ids, spans, (0.15,), "query_attention")[0.15]
         # Without the score reduction each rank ranks by its own heads only.
         alone = BlendEngine(adapter, client)
-        config = BlendConfig(check_layers=(1,), recompute_ratios=(0.15,), min_tokens=0)
+        config = BlendConfig(check_layers=(1,), recompute_ratios=(0.15,), min_tokens=0, selection="k_deviation")
         out["idx_unreduced"] = alone.blend(make_plan(ids, spans, ns, client, config, query_to_engine=True)).recompute_idx
         # A layer that only rank 1 cannot read: both ranks fall back to full prefill together
         # (a lone fallback would leave the ranks' all_reduces mismatched).
@@ -178,6 +179,15 @@ def test_tp2_selection_is_identical_on_every_rank(tp_run):
     assert a["idx"].numel() == 3 + 8 + 3 + 11
     # the reduction is what makes them agree: each rank alone ranks by its own heads
     assert not torch.equal(tp_run[0]["idx_unreduced"], tp_run[1]["idx_unreduced"])
+    torch.testing.assert_close(a["logits"], b["logits"], rtol=0, atol=0)
+
+
+def test_tp2_query_attention_selects_the_same_rows_on_every_rank(tp_run):
+    """Issue 17 under TP: the query attention mass is summed over the ranks' heads before the
+    ranking, so both ranks recompute the same rows (and the same number: the budget)."""
+    a, b = tp_run[0]["query"], tp_run[1]["query"]
+    assert a["reason"] is None and b["reason"] is None
+    assert torch.equal(a["idx"], b["idx"]) and a["idx"].numel() == 3 + 8 + 3 + 11
     torch.testing.assert_close(a["logits"], b["logits"], rtol=0, atol=0)
 
 

@@ -86,7 +86,7 @@ def test_recompute_set_and_injected_kv_match_hf(adapters, local_client, blend_ll
     cold = generate(blend_llm, ids1)
     wait_stored(blend_stats_path, cold.request_id)
     ids2, spans = build_blend_prompt(tokenizer, system, texts[::-1], "Question: second?")
-    cfg = BlendConfig(recompute_ratios=(0.15,), min_tokens=0)
+    cfg = BlendConfig(recompute_ratios=(0.15,), min_tokens=0, selection="k_deviation")
     plan = make_plan(ids2, spans, namespace_for(smollm2_path, "float32").digest(), local_client, cfg)
     assert len(plan.hit_segments) == 3 and plan.blend
     r_v = BlendEngine(vllm_a, local_client).blend(plan, want_logits=False)

@@ -75,7 +75,7 @@ def test_recompute_actually_happens(blend_llm, blend_stats_path, tokenizer):
     generate_and_store(blend_llm, blend_stats_path, ids1)
     order = [3, 0, 5, 1, 4, 2]
     ids2, spans = build_blend_prompt(tokenizer, SYSTEM, [texts[i] for i in order], q)
-    out = generate(blend_llm, ids2, {"kvblend_recompute_ratio": 0.15})
+    out = generate(blend_llm, ids2, {"kvblend_recompute_ratio": 0.15, "kvblend_selection": "k_deviation"})
     load = _one(blend_stats_path, out, "load")
     chunk_tokens = sum(e - s for kind, s, e in spans if kind == "chunk")
     assert chunk_tokens > 2000
@@ -87,6 +87,32 @@ def test_recompute_actually_happens(blend_llm, blend_stats_path, tokenizer):
     assert per_layer[0] == n and per_layer[1] == n  # up to the check layer: every row
     assert all(r < n * 0.5 for r in per_layer[2:])  # then only selected + computed rows
     assert len(out.outputs[0].token_ids) >= 1  # vLLM sampled after the blended prefill
+
+
+def test_query_attention_per_request_inside_vllm(blend_llm, blend_stats_path, tokenizer):
+    """Issue 17 through vLLM: ``kvblend_selection=query_attention`` in kv_transfer_params. The
+    probe reads the query vLLM computes afterwards; at ratio 1.0 the output equals vLLM's own
+    full prefill; at 0.15 every layer computes the same rows (no check layer computes them
+    all), the budget holds and the probe ran."""
+    texts = [passage(200 + i, num_sentences=12) for i in range(4)]
+    q = "Question: Which passage mentions a lighthouse? Answer:"
+    ids1, _ = build_blend_prompt(tokenizer, SYSTEM, texts, q)
+    generate_and_store(blend_llm, blend_stats_path, ids1)
+    ids2, spans = build_blend_prompt(tokenizer, SYSTEM, [texts[i] for i in (2, 0, 3, 1)], q)
+    chunk_tokens = sum(e - s for kind, s, e in spans if kind == "chunk")
+    ref = generate(blend_llm, ids2, FULL)
+    out = generate(blend_llm, ids2, {"kvblend_selection": "query_attention", "kvblend_recompute_ratio": 1.0})
+    load = _one(blend_stats_path, out, "load")
+    assert load["selection"] == "query_attention" and not load["fallback"] and load["num_hit_segments"] == 4
+    assert_matches_full(out, ref)
+    out = generate(blend_llm, ids2, {"kvblend_selection": "query_attention", "kvblend_recompute_ratio": 0.15})
+    load = _one(blend_stats_path, out, "load")
+    assert load["selection"] == "query_attention" and not load["fallback"] and load["probe_s"] > 0
+    assert load["reused_tokens"] == chunk_tokens
+    assert abs(load["selected_tokens"] - 0.15 * chunk_tokens) <= 1
+    per_layer, n = load["recomputed_tokens_per_layer"], load["load_end"]
+    assert len(set(per_layer)) == 1 and per_layer[0] < n * 0.5, per_layer
+    assert len(out.outputs[0].token_ids) >= 1
 
 
 def test_hits_after_a_miss(blend_llm, blend_stats_path, tokenizer):
