@@ -4,11 +4,13 @@ For the keys of one lookup call that host memory lacks, one task per key (on a s
 owned by the shard, all keys in parallel) walks the lower tiers top to bottom and reads each
 tier's header once (:func:`read_header_bytes`: the bytes read are both parsed and returned).
 The call waits until ``lookup_timeout_s`` after its start: a key not answered by then is a miss
-(counted ``lookup_timeouts``); its read may go on in the background, but nothing waits for it.
-A tier keeps at most :data:`TIER_READS` reads in flight (a tier that blocks holds at most that
-many threads), and a :class:`~cluster.cache.breaker.TierBreaker` per tier stops reading a
-tier whose reads keep missing the deadline (counters ``breaker_open``, ``breaker_half_open``,
-``breaker_closed``; one log line per change).
+(counted ``lookup_timeouts``, and the metric ``kvblend_lookup_timeouts``); its read may go on in
+the background, but nothing waits for it. A tier keeps at most :data:`TIER_READS` reads in
+flight (a tier that blocks holds at most that many threads), and a
+:class:`~cluster.cache.breaker.TierBreaker` per tier stops reading a tier whose reads keep
+missing the deadline (counters ``breaker_open``, ``breaker_half_open``, ``breaker_closed``;
+one log line per change; metrics ``kvblend_breaker_transitions`` per change and the gauge
+``kvblend_breaker_open``: 0 from the breaker's creation, 1 while open or half-open).
 
 Failure behaviour: never raises for a tier fault — an exception from a tier, a corrupt header
 (``read_errors``) or a late read is a miss in that tier.
@@ -23,7 +25,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
-from cluster.cache.breaker import ALL, BREAKER_COOLDOWN_S, BREAKER_FAILURES, PROBE, TierBreaker
+from cluster.cache.breaker import (
+    ALL,
+    BREAKER_COOLDOWN_S,
+    BREAKER_FAILURES,
+    CLOSED,
+    PROBE,
+    TierBreaker,
+)
+from cluster.cache.metrics import ShardMetrics
 from tiers.config import TiersConfig
 from tiers.format import HEADER_PROBE_BYTES, PREFIX_BYTES, FormatError, parse_header, parse_prefix
 from tiers.keys import ChunkKey
@@ -120,15 +130,18 @@ class LowerLookup:
         count: ``count(counter_name, n)`` — the shard's counters.
         owner: the shard's name (log lines).
         failures, cooldown_s: of each tier's :class:`~cluster.cache.breaker.TierBreaker`.
+        metrics: the shard's :class:`~cluster.cache.metrics.ShardMetrics` (None: none).
     """
 
     def __init__(self, timeout_s: float, count: Callable[..., None], owner: str = "",
-                 failures: int = BREAKER_FAILURES, cooldown_s: float = BREAKER_COOLDOWN_S) -> None:
+                 failures: int = BREAKER_FAILURES, cooldown_s: float = BREAKER_COOLDOWN_S,
+                 metrics: ShardMetrics | None = None) -> None:
         self.timeout_s = float(timeout_s)
         self.failures = failures
         self.cooldown_s = cooldown_s
         self._count = count
         self._owner = owner
+        self._metrics = metrics if metrics is not None else ShardMetrics(owner, enabled=False)
         self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvblend-shard-lookup")
         self._lock = threading.Lock()
         self.breakers: dict[str, TierBreaker] = {}
@@ -137,14 +150,19 @@ class LowerLookup:
     def breaker(self, tier: str) -> TierBreaker:
         with self._lock:
             b = self.breakers.get(tier)
-            if b is None:
-                b = self.breakers[tier] = TierBreaker(
-                    tier, self.failures, self.cooldown_s, self._changed, self._owner)
-                self._slots[tier] = threading.BoundedSemaphore(TIER_READS)
+            if b is not None:
+                return b
+            b = self.breakers[tier] = TierBreaker(
+                tier, self.failures, self.cooldown_s, self._changed, self._owner)
+            self._slots[tier] = threading.BoundedSemaphore(TIER_READS)
+            # a series from the start; under the lock: before any change can set it
+            self._metrics.set("kvblend_breaker_open", 0, tier)
             return b
 
     def _changed(self, tier: str, old: str, new: str) -> None:
         self._count(f"breaker_{new}")
+        self._metrics.inc("kvblend_breaker_transitions", 1, tier, state=new)
+        self._metrics.set("kvblend_breaker_open", 0 if new == CLOSED else 1, tier)
 
     def find(self, tiers: Sequence, keys: Sequence[ChunkKey], started: float) -> list[tuple | None]:
         """Per key ``(tier name, header bytes)`` of the first tier holding it, or None (absent,
@@ -176,6 +194,7 @@ class LowerLookup:
             out.append(res)
         if timeouts:
             self._count("lookup_timeouts", timeouts)
+            self._metrics.inc("kvblend_lookup_timeouts", timeouts)
         return out
 
     def _one(self, tiers: Sequence, key: ChunkKey, call: _Call):

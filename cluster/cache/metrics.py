@@ -2,9 +2,19 @@
 
 Every metric is named ``kvblend_*`` here; Ray's exporter prefixes ``ray_`` and adds
 ``_total`` to counters, so Prometheus sees e.g. ``ray_kvblend_hits_total``. Tags: ``shard``
-(actor name) and, where it applies, ``tier`` (host, disk, redis, s3). The Grafana dashboard
-``cluster/grafana/kvblend.json`` queries only names listed in :data:`PROMETHEUS_NAMES`
-(``tests/cluster/cache/test_metrics.py`` checks both directions against a live scrape).
+(actor name) and, where it applies, ``tier`` (host, disk, redis, s3) and ``state`` (a tier
+breaker's new state: open, half_open, closed).
+
+The fault metrics (issue #20) are emitted where the shard counts the same-named counters of
+its ``stats()``: ``kvblend_writes_dropped`` (:mod:`cluster.cache.shard`),
+``kvblend_lookup_timeouts`` (per shard only: where it is counted a late key's tier is
+unknown), ``kvblend_breaker_transitions`` (per tier and new state) and the gauge
+``kvblend_breaker_open`` (1 while open or half-open, 0 when closed and from the breaker's
+creation; both :mod:`cluster.cache.deadline`).
+
+The Grafana dashboard ``cluster/grafana/kvblend.json`` queries only names from
+:func:`prometheus_names` (a subset of them; ``tests/cluster/cache/test_metrics.py`` checks
+that, and that a live scrape has every name the dashboard queries).
 
 Failure behaviour: metrics never raise into the data path; when ``ray.util.metrics`` cannot
 be used (metrics disabled in config) every call is a no-op.
@@ -25,6 +35,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kvblend_bytes_out": ("counter", "bytes read out of a tier", ("shard", "tier")),
     "kvblend_evictions": ("counter", "chunks evicted from a tier", ("shard", "tier")),
     "kvblend_read_errors": ("counter", "corrupted, truncated or foreign objects read (served as misses)", ("shard", "tier")),
+    "kvblend_writes_dropped": ("counter", "write-downs to lower tiers dropped: the shard's write backlog was full", ("shard",)),
+    "kvblend_lookup_timeouts": ("counter", "lower-tier header reads that missed lookup_timeout_s (served as misses)", ("shard",)),
+    "kvblend_breaker_transitions": ("counter", "tier breaker state changes, by new state", ("shard", "tier", "state")),
     "kvblend_prefetch_started": ("counter", "promotions into host memory started by a lookup", ("shard",)),
     "kvblend_prefetch_hits": ("counter", "reads served from host memory that a prefetch had promoted", ("shard",)),
     "kvblend_lookup_latency_ms": ("histogram", "shard-side batch lookup time, ms", ("shard",)),
@@ -32,6 +45,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kvblend_bytes_used": ("gauge", "bytes stored in a tier", ("shard", "tier")),
     "kvblend_capacity_bytes": ("gauge", "byte capacity of a tier", ("shard", "tier")),
     "kvblend_chunks": ("gauge", "chunks stored in a tier", ("shard", "tier")),
+    "kvblend_breaker_open": ("gauge", "1 while a tier's breaker is open or half-open, 0 when closed", ("shard", "tier")),
 }
 
 
@@ -81,12 +95,28 @@ class ShardMetrics:
             m.set_default_tags({"shard": shard})
             self._m[name] = m
 
-    def inc(self, name: str, value: float = 1.0, tier: str | None = None) -> None:
+    @staticmethod
+    def _tags(tier: str | None, state: str | None) -> dict[str, str] | None:
+        tags = {k: v for k, v in (("tier", tier), ("state", state)) if v}
+        return tags or None
+
+    def inc(self, name: str, value: float = 1.0, tier: str | None = None,
+            state: str | None = None) -> None:
+        """Add ``value`` to counter ``name`` (tags ``tier``/``state`` where given)."""
         if not self.enabled or value <= 0:
             return
         try:
-            self._m[name].inc(value, tags={"tier": tier} if tier else None)
+            self._m[name].inc(value, tags=self._tags(tier, state))
         except Exception:  # noqa: BLE001 - metrics must never break the data path
+            pass
+
+    def set(self, name: str, value: float, tier: str | None = None) -> None:
+        """Set gauge ``name`` (tag ``tier`` where given)."""
+        if not self.enabled:
+            return
+        try:
+            self._m[name].set(float(value), tags=self._tags(tier, None))
+        except Exception:  # noqa: BLE001
             pass
 
     def observe(self, name: str, value_ms: float) -> None:

@@ -23,11 +23,11 @@ in the background (write-through: the disk so a restart loses nothing, Redis/S3 
 shards and clients with a dead owner still find it); ``drain`` waits for those writes. The
 background writes are bounded (:data:`MAX_PENDING_WRITES`, :data:`MAX_PENDING_WRITE_BYTES`,
 from queued until in every lower tier): past the bound a put's write-down is dropped, counted
-``writes_dropped`` (one warning per shard) and the chunk stays in host memory only, so a slow
-or stuck tier never makes ``put`` — or the actor's callers — wait. A
-lookup that finds a chunk below host memory starts its promotion (prefetch) into host
-memory in the background. The stack's writes and corrupt copies feed the shard's counters
-and metrics (``on_event``).
+``writes_dropped`` (metric ``kvblend_writes_dropped``; one warning per shard) and the chunk
+stays in host memory only, so a slow or stuck tier never makes ``put`` — or the actor's
+callers — wait. A lookup that finds a chunk below host memory starts its promotion
+(prefetch) into host memory in the background. The stack's writes and corrupt copies feed
+the shard's counters and metrics (``on_event``).
 
 Bulk bytes never travel through actor method returns. Each host-resident chunk object is
 one numpy ``uint8`` array ``ray.put`` by the shard (so the shard owns it and our eviction,
@@ -52,7 +52,9 @@ plus headroom; Ray's own default is 30% of RAM).
 
 Failure behaviour: methods never raise for cache faults; a tier error is a miss counted in
 stats and metrics; ``lookup`` answers within ``lookup_timeout_s`` whatever the tiers below
-host memory do (:mod:`cluster.cache.deadline`: late keys are misses, a breaker per tier); a corrupted or foreign object (checked by :mod:`tiers.format` /
+host memory do (:mod:`cluster.cache.deadline`: late keys are misses, a breaker per tier; its
+counters are also the metrics ``kvblend_lookup_timeouts``, ``kvblend_breaker_transitions`` and
+``kvblend_breaker_open``); a corrupted or foreign object (checked by :mod:`tiers.format` /
 :mod:`tiers.reader`) is a miss plus ``read_errors``. Caller mistakes (malformed key strings)
 raise ``ValueError`` to the caller through Ray.
 """
@@ -138,7 +140,8 @@ class CacheShard:
         self._writes: dict[Future, int] = {}
         self._write_bytes = 0
         # lower-tier header reads of lookups: parallel, by lookup_timeout_s, breaker per tier
-        self._lower_lookup = LowerLookup(tiers_config.lookup_timeout_s, self._count, name)
+        self._lower_lookup = LowerLookup(tiers_config.lookup_timeout_s, self._count, name,
+                                         metrics=self.metrics)
         self.counters = dict.fromkeys(
             ("lookups", "misses", "read_errors", "puts", "put_rejected", "prefetch_started",
              "prefetch_hits", "promotions", "write_errors", "writes_dropped", "lookup_timeouts",
@@ -236,6 +239,7 @@ class CacheShard:
                 self._writes[fut] = nbytes
                 self._write_bytes += nbytes
         if full:
+            self.metrics.inc("kvblend_writes_dropped")
             if first:
                 log.warning("%s: %d write-downs (%d bytes) pending, the bound (MAX_PENDING_WRITES"
                             "=%d, MAX_PENDING_WRITE_BYTES=%d): dropping new ones (host memory "
