@@ -332,7 +332,17 @@ def cache_dir(config: KVBlendConfig) -> str:
     return config.cluster.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "kvblend")
 
 
-def log_effective(config: KVBlendConfig) -> None:
-    """Log the effective configuration once (at start-up)."""
-    non_default = {k: v for k, v in config.as_flat_dict().items() if config.sources.get(k) != "default"}
-    log.info("kvblend config (non-default): %s", non_default or "all defaults")
+def redacted(config: KVBlendConfig) -> dict[str, Any]:
+    """The flat effective config with secrets masked: the password of every ``*_url`` value
+    (``redis://:***@host:6379/0``, :mod:`tiers.redact`). What logs and ``kvblend config show``
+    print; never pass its values on to the tiers."""
+    from tiers.redact import redact_fields
+
+    return redact_fields(config.as_flat_dict())
+
+
+def log_config(config: KVBlendConfig) -> None:
+    """Log the effective configuration once (at start-up) with secrets masked (:func:`redacted`):
+    what every connector and ``kvblend server`` log."""
+    shown = {k: v for k, v in redacted(config).items() if config.sources.get(k) != "default"}
+    log.info("kvblend config (non-default): %s", shown or "all defaults")

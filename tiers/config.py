@@ -60,6 +60,13 @@ class TiersConfig:
     def __post_init__(self) -> None:
         check_fields(self)
 
+    def __repr__(self) -> str:
+        # URLs may carry a password (redis://:PASSWORD@...): masked in every repr (issue 19)
+        from tiers.redact import redact_fields
+
+        shown = redact_fields({f.name: getattr(self, f.name) for f in fields(self)})
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
 
 def check_fields(obj) -> None:
     """Check each field of a config dataclass against its ``range``/``choices`` metadata.

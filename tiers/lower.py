@@ -16,6 +16,7 @@ import logging
 from tiers.format import CODEC_LZ4, ChunkHeader, decode_layer, encode_chunk
 from tiers.keys import ChunkKey
 from tiers.reader import validate_object
+from tiers.redact import redact_text, redact_url
 from tiers.tier import Buffer, Tier
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def shared_tiers(cfg) -> list[Tier]:
 
     A tier whose module is missing (``redis``/``boto3`` not installed) or whose constructor
     fails (e.g. a malformed URL) is left out with a warning (its reads are then misses),
-    never an exception.
+    never an exception. The warning masks a password in the URL (:mod:`tiers.redact`).
     """
     out: list[Tier] = []
     for kind, field, module, cls_name in _SHARED:
@@ -63,5 +64,5 @@ def shared_tiers(cfg) -> list[Tier]:
         try:
             out.append(getattr(importlib.import_module(module), cls_name).from_config(cfg))
         except Exception as e:  # noqa: BLE001 - a broken shared tier degrades to misses
-            log.warning("%s tier %s unavailable: %s", kind, url, e)
+            log.warning("%s tier %s unavailable: %s", kind, redact_url(url), redact_text(str(e), url))
     return out

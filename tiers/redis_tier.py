@@ -32,6 +32,7 @@ import threading
 from collections.abc import Sequence
 
 from tiers.keys import ChunkKey
+from tiers.redact import redact_text, redact_url
 from tiers.tier import Buffer
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,8 @@ class RedisTier:
             self._client = redis.Redis.from_url(
                 url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                 max_connections=max_connections, retry_on_timeout=False)
-        except ValueError as e:
-            raise ValueError(f"redis url is malformed: {e}") from None
+        except ValueError as e:  # the message may quote the URL: never its password
+            raise ValueError(f"redis url {redact_url(url)!r} is malformed: {redact_text(str(e), url)}") from None
         self._max_bulk: int | None = None
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(_COUNTERS, 0)

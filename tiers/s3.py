@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from tiers.keys import ChunkKey
+from tiers.redact import redact_url
 from tiers.tier import Buffer
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,10 @@ def parse_s3_url(url: str) -> tuple[str, str]:
         ValueError: not an ``s3://`` URL or no bucket.
     """
     if not url.startswith("s3://"):
-        raise ValueError(f"s3 url {url!r} must start with s3://")
+        raise ValueError(f"s3 url {redact_url(url)!r} must start with s3://")
     bucket, _, prefix = url[5:].partition("/")
     if not bucket:
-        raise ValueError(f"s3 url {url!r} names no bucket")
+        raise ValueError(f"s3 url {redact_url(url)!r} names no bucket")
     prefix = prefix.strip("/")
     return bucket, (prefix + "/" if prefix else "")
 

@@ -53,9 +53,13 @@ def start_shards(config, timeout_s: float = 60.0, env_vars: dict[str, str] | Non
     Args:
         config: a :class:`cluster.config.KVBlendConfig`; Ray must be initialised.
         timeout_s: how long to wait for every shard's ``ready()``.
-        env_vars: environment of newly created shard processes (Ray runtime env), e.g. S3
-            credentials when the nodes' own environment lacks them; the standard AWS chain
-            (node environment, instance/IRSA roles) is used otherwise.
+        env_vars: environment of newly created shard processes, e.g. S3 credentials when the
+            nodes' own environment lacks them; the standard AWS chain (node environment,
+            instance/IRSA roles) is used otherwise. They travel as a constructor argument
+            (:class:`CacheShard` sets them before opening its tiers), never as a Ray
+            ``runtime_env``: ``ray list actors --detail`` and the dashboard show a runtime env,
+            not constructor arguments. The Redis URL (and its password) travels the same way,
+            inside ``config.tiers`` (whose repr masks it).
 
     Returns:
         The names of the shards that answered ``ready()``.
@@ -89,8 +93,7 @@ def start_shards(config, timeout_s: float = 60.0, env_vars: dict[str, str] | Non
                 max_restarts=-1, max_task_retries=0, max_concurrency=16, num_cpus=0,
                 resources=amount,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                runtime_env={"env_vars": dict(env_vars)} if env_vars else None,
-            ).remote(name, config.tiers, disk_root, c.metrics)
+            ).remote(name, config.tiers, disk_root, c.metrics, dict(env_vars or {}))
     if not handles:
         raise RuntimeError(f"no alive Ray node advertises the resource {c.shard_resource!r}; start "
                            f"nodes with --resources '{{\"{c.shard_resource}\": 1}}'")

@@ -103,13 +103,17 @@ class CacheShard:
         tiers_config: sizes, eviction policy, disk path, Redis/S3 URLs.
         disk_root: parent of the per-shard disk directories.
         metrics: export ``kvblend_*`` metrics through ``ray.util.metrics``.
+        env: variables set in this actor's process before its tiers open (e.g. S3 credentials):
+            constructor arguments, unlike a Ray ``runtime_env``, are not shown by ``ray list actors``.
 
     All key arguments are ``str(ChunkKey)``; malformed ones raise ``ValueError``.
     """
 
     def __init__(self, name: str, tiers_config: TiersConfig, disk_root: str,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, env: dict[str, str] | None = None) -> None:
         import ray
+
+        os.environ.update(env or {})  # this actor's own process (issue 19: no runtime_env secrets)
 
         from tiers.disk import DiskTier
         from tiers.host import HostTier

@@ -1,4 +1,7 @@
-"""``kvblend config show``: the effective configuration and where each value came from."""
+"""``kvblend config show``: the effective configuration and where each value came from.
+
+Secrets are masked: the password of a URL (``redis_url: redis://:***@host:6379/0``,
+:func:`cluster.config.redacted`); the other values are shown as they are."""
 
 from __future__ import annotations
 
@@ -24,10 +27,10 @@ def parse_sets(items: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.config import describe_fields, load_config
+    from cluster.config import describe_fields, load_config, redacted
 
     cfg = load_config(args.config, overrides=parse_sets(args.set))
-    flat = cfg.as_flat_dict()
+    flat = redacted(cfg)  # never a password (issue 19)
     if args.json:
         print(json.dumps({k: {"value": v, "source": cfg.sources[k]} for k, v in flat.items()},
                          indent=2, default=list))

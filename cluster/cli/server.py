@@ -16,6 +16,10 @@ flags). Re-running it is safe: shards are created with ``get_if_exists`` (nodes 
 since get their shards; existing ones are untouched). ``--block`` also re-checks every
 :data:`RESCAN_S` seconds for new cache nodes (autoscaling).
 
+Secrets (issue 19): a Redis password stays out of the process list when the URL comes through
+``$KVBLEND_REDIS_URL`` or ``--redis-url-file PATH``; ``--redis-url`` still works but its value
+is visible to ``ps``. The logged config masks it (:func:`cluster.config.log_config`).
+
 Memory: the Ray object store holds every host-tier chunk plus in-flight puts, so a head
 started here gets ``--object-store-gib`` set explicitly; it must be at least ``--host-size-gib``
 times ``--shards-per-node`` plus :data:`STORE_HEADROOM_GIB` (a value given too small is an error;
@@ -48,7 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-size-gib", type=float, help="host memory per shard, GiB")
     p.add_argument("--disk-path", help="parent directory of the shards' disk tiers")
     p.add_argument("--disk-size-gib", type=float, help="disk tier size per shard, GiB (0 = off)")
-    p.add_argument("--redis-url", help="shared Redis tier, redis://host:port/db")
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument("--redis-url", help="shared Redis tier, redis://[:password@]host:port/db; a password "
+                        "here is visible to every user through `ps`: prefer --redis-url-file or $KVBLEND_REDIS_URL")
+    secret.add_argument("--redis-url-file", metavar="PATH",
+                        help="read the Redis URL (with its password) from this file, e.g. a mounted Secret; "
+                             "keeps the password out of argv ($KVBLEND_REDIS_URL does too)")
     p.add_argument("--s3-url", help="shared S3 tier, s3://bucket[/prefix]")
     p.add_argument("--s3-endpoint-url", help="S3-compatible endpoint")
     p.add_argument("--eviction-policy", choices=("lru", "lfu"))
@@ -95,14 +104,33 @@ def _start_head(cfg, args) -> str:
     return f"127.0.0.1:{port}"
 
 
+def read_url_file(path: str) -> str:
+    """The URL in ``path`` (surrounding whitespace dropped; ``#`` comment lines skipped).
+
+    Raises:
+        ValueError: the file cannot be read or holds no URL (the message never quotes it).
+    """
+    try:
+        with open(path) as fh:
+            lines = [ln.strip() for ln in fh.read().splitlines()]
+    except OSError as e:
+        raise ValueError(f"--redis-url-file {path!r} cannot be read: {e.strerror or e}") from None
+    urls = [ln for ln in lines if ln and not ln.startswith("#")]
+    if len(urls) != 1:
+        raise ValueError(f"--redis-url-file {path!r} must hold one URL, found {len(urls)} line(s)")
+    return urls[0]
+
+
 def run(args: argparse.Namespace) -> int:
-    from cluster.config import load_config, log_effective
+    from cluster.config import load_config, log_config
 
     overrides = connection_overrides(args)
     for name in _FLAG_FIELDS:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
+    if getattr(args, "redis_url_file", None):
+        overrides["redis_url"] = read_url_file(args.redis_url_file)
     if args.block and "ray_address" not in overrides:
         overrides["ray_address"] = "local"
     cfg = load_config(args.config, overrides=overrides)
@@ -119,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("object_store_gib not set: using %.2f GiB (host tier + headroom)", needed_gib)
         cfg = load_config(args.config, overrides={**overrides, "object_store_gib": needed_gib})
         c = cfg.cluster
-    log_effective(cfg)
+    log_config(cfg)  # secrets masked (issue 19)
     import ray
 
     from cluster.cache.connect import connect

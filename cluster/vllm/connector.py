@@ -160,13 +160,13 @@ class KVBlendConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        from cluster.config import load_config, log_effective
+        from cluster.config import load_config, log_config
         from cluster.namespace import namespace_for
 
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = ConnectorOptions.pop_from(extra)
         self.config = load_config(overrides=extra, overrides_origin="kv_connector_extra_config")
-        log_effective(self.config)
+        log_config(self.config)  # secrets masked (issue 19)
         model_config = vllm_config.model_config
         self.model_path = model_config.model
         self.kv_dtype = str(model_config.dtype).removeprefix("torch.")

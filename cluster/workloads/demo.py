@@ -162,9 +162,9 @@ def _quantile(xs, q):
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
-def _kvblend_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _kvblend_cli(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "cluster.cli.main", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env} if env else None)
     if check and r.returncode != 0:
         raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
@@ -297,12 +297,11 @@ def _start_cluster(args: argparse.Namespace, workdir: str) -> None:
     shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
     server_args = ["server", "--host-size-gib", str(args.host_size_gib),
                    "--disk-path", os.path.join(workdir, "disk")]
-    if args.redis_url:
-        server_args += ["--redis-url", args.redis_url]
     if args.s3_url:
         server_args += ["--s3-url", args.s3_url]
     t0 = time.perf_counter()
-    _kvblend_cli(*server_args)
+    # the Redis URL may carry a password: through the environment, never the child's argv
+    _kvblend_cli(*server_args, env={"KVBLEND_REDIS_URL": args.redis_url} if args.redis_url else None)
     print(f"cluster: local Ray + shards up in {time.perf_counter() - t0:.1f} s")
 
 
