@@ -39,7 +39,7 @@ class BlendConfig:
         "(CacheBlend, at the check layers) or query_attention (the query's attention on the cached "
         "context, before layer 0; check_layers and recompute_thresholds unused)", None, SELECTIONS)
     probe_layers: tuple[int, ...] = _f(
-        (), "query_attention: 0-based layers whose query attention is averaged (() = the model's "
+        (), "query_attention: 0-based layers whose query attention is summed (() = the model's "
         "layers at 1/4, 3/8 and 1/2 of its depth)", (0, 4096))
     sink_tokens: int = _f(
         4, "query_attention: first tokens of every reused chunk always recomputed (inside the budget)",

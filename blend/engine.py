@@ -171,7 +171,7 @@ class BlendEngine:
 
         Raises:
             ValueError: ``blend_end == 0``, a prompt longer than the context window, a check
-                layer outside the model, RoPE that is not linear in position or a sliding
+                or probe layer outside the model, RoPE that is not linear in position or a sliding
                 window shorter than the prompt (see :func:`blend.rope.check_blendable`).
         """
         return run_steps(self.blend_steps(plan, want_logits=want_logits, on_layer=on_layer))
@@ -185,7 +185,8 @@ class BlendEngine:
         Yields the index of each layer once its ``on_layer`` call returned (after a
         mid-request fallback the layers count from 0 again); returns the
         :class:`BlendResult` (``StopIteration.value``; :func:`run_steps` drives it to the
-        end). Drive it with gradients off (``torch.no_grad``/``inference_mode`` around each
+        end; a ``query_attention`` request first yields once per probe layer, before any
+        ``on_layer`` call). Drive it with gradients off (``torch.no_grad``/``inference_mode`` around each
         ``next``) and on one thread at a time; cached layers keep loading in the source
         between steps. ``close()`` abandons the request (pending reads are cancelled). ``counters.compute_s`` counts only the time spent inside steps.
 
@@ -206,6 +207,8 @@ class BlendEngine:
             bad = [c for c in plan.check_layers if not 0 <= c < self.spec.num_layers]
             if bad:
                 raise ValueError(f"check_layers {bad} outside the model's {self.spec.num_layers} layers")
+            if plan.selection == "query_attention":
+                qs.probe_layers_for(plan.probe_layers, self.spec.num_layers)  # raises when outside
             try:
                 result = yield from _timed(self._blend(plan, want_logits, on_layer, counters), spent)
                 counters.compute_s = spent[0] - counters.load_wait_s
@@ -377,50 +380,38 @@ class BlendEngine:
         return torch.nonzero(keep).flatten()  # [A'] into active
 
     def _query_mode(self, plan: BlendPlan, rows: RequestRows, counters: BlendCounters) -> bool:
-        """Whether this request selects by query attention (:mod:`blend.query_selection`); a
-        plan that asks for it without a query segment is ranked by K deviation instead
-        (``counters.selection_fallback`` says so)."""
-        counters.selection = plan.selection
-        if plan.selection != "query_attention" or not rows.keys or rows.forced is not None:
-            return False
-        if plan.query_rows is None:
-            counters.selection = "k_deviation"
-            counters.selection_fallback = "no query segment"
-            return False
-        return True
+        """Whether this request selects by query attention (:mod:`blend.query_selection`) and
+        ``counters.selection``: the mode that chose its rows (``""`` without hits, ``forced``
+        for ``plan.forced_recompute``); a plan that asks for ``query_attention`` without a
+        query segment is ranked by K deviation (``counters.selection_fallback`` says so)."""
+        by_query = plan.selection == "query_attention" and rows.keys and rows.forced is None
+        if by_query and plan.query_rows is None:
+            counters.selection_fallback, by_query = "no query segment", False
+        if not rows.keys or rows.forced is not None:
+            counters.selection = "forced" if rows.keys else ""
+        else:
+            counters.selection = "query_attention" if by_query else (
+                plan.selection if plan.selection in DEVIATIONS else "k_deviation")
+        return bool(by_query)
 
     def _select_by_query(self, plan: BlendPlan, rows: RequestRows, pending: dict[int, Future],
                          positions: torch.Tensor, counters: BlendCounters,
-                         ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The ``query_attention`` selection, before layer 0: ``(active, probed)``, the ``[A]``
-        rows the blend computes in every layer (``positions`` itself when that is all of them)
-        and the probe's layer buffers ``{layer: [2, T_prompt, H, D]}`` for the blend to reuse.
-        Ratio 0 and a budget that takes every reused row skip the probe (nothing to rank).
+                         ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """The ``query_attention`` selection, before layer 0, a step per probe layer; returns
+        ``(active, probed)``: the ``[A]`` rows the blend computes in every layer (``positions``
+        itself when that is all of them) and the probe's layer buffers ``{layer: [2, T_prompt,
+        H, D]}`` for the blend to reuse. Ratio 0 and a budget that takes every reused row skip
+        the probe (nothing to rank). ``counters.probe_s``: its compute time (load waits excluded).
 
         Raises:
             _Fallback: a cached layer the probe needs could not be read.
         """
-        t0 = time.perf_counter()
-        device, num_tokens = self.model.device, plan.blend_end
-        ratio = plan.recompute_ratios[0]
-        reused_rows = torch.nonzero(rows.is_reused).flatten()  # [R]
-        probed: dict[int, torch.Tensor] = {}
-        budget = qs.num_to_select(rows.num_reused, ratio)
-        nothing_to_rank = budget == 0 or budget >= reused_rows.numel()
-        selected = reused_rows[:budget] if nothing_to_rank else None
-        if selected is None:
-            start, end = plan.query_rows
-            is_reused = torch.zeros(end, dtype=torch.bool, device=device)
-            is_reused[:num_tokens] = rows.is_reused
-            all_ids = torch.tensor(plan.token_ids[:end], dtype=torch.int64, device=device)
-            layers = qs.probe_layers_for(plan.probe_layers, self.spec.num_layers)
-            mass, probed = qs.probe_query_mass(
-                self.model, all_ids, is_reused, end - start,
-                layers, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
-                self._sum_ranks if self.process_group is not None else None)
-            sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, num_tokens).to(device)
-            selected = qs.select_by_query_mass(mass, reused_rows, sinks, ratio, rows.num_reused)
-            counters.probe_s = time.perf_counter() - t0
+        t0, waited = time.perf_counter(), counters.load_wait_s
+        selected, probed = yield from qs.select_rows(
+            self.model, plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
+            self._sum_ranks if self.process_group is not None else None)
+        if probed:
+            counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
         counters.selected_tokens = int(selected.numel())
         keep = ~rows.is_reused
         keep[selected] = True
@@ -447,7 +438,7 @@ class BlendEngine:
         kv_layers: list[torch.Tensor] = []
         try:
             if by_query:
-                active, probed = self._select_by_query(plan, rows, pending, positions, counters)
+                active, probed = yield from self._select_by_query(plan, rows, pending, positions, counters)
             hidden, residual = model.embed(ids if active is positions else ids[active]), None  # [A, E]
             for layer_idx in range(self.spec.num_layers):
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,

@@ -70,7 +70,7 @@ class BlendPlan:
         forced_recompute: optional injected recompute set (prompt token indices) used by
             tests to compare adapters; None in serving.
         selection: how reused tokens are chosen (:data:`blend.config.SELECTIONS`).
-        probe_layers: ``query_attention``: layers whose query attention is averaged (empty:
+        probe_layers: ``query_attention``: layers whose query attention is summed (empty:
             the engine's default for the model's depth).
         sink_tokens: ``query_attention``: leading tokens of every hit chunk always recomputed.
     """

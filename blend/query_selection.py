@@ -9,9 +9,11 @@ irrelevant to the question. The 2026 papers rank by what the *query* reads inste
   context token, computed with every chunk at its real prompt position (cached K re-rotated
   there), picks the tokens that both matter and can pass information on to the answer;
 * ProphetKV (arXiv 2602.02579) and QCFuse (arXiv 2606.05875): the same signal averaged over
-  a few middle layers, plus the first few ("sink") tokens of every chunk.
+  a few middle layers, plus the first few ("sink") tokens of every chunk (we sum over the
+  layers: the same ranking as their average).
 
-Our version (written for kvblend; the engine drives it, :meth:`blend.engine.BlendEngine.blend`):
+Our version (written for kvblend; :func:`select_rows`, which the engine's
+:meth:`~blend.engine.BlendEngine.blend_steps` drives a step per probe layer):
 
 1. **Probe**: the rows that are computed anyway (prefix, separators, missed chunks, query) run
    through layers ``0 .. max(probe_layers)`` over the loaded, re-rotated cached KV of the hit
@@ -31,20 +33,22 @@ Axis letters as in :mod:`blend.protocols`; ``Q`` query rows, ``R`` reused rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 
 from blend.selection import num_to_select
 
-#: Query rows per block when summing attention weights (bounds the ``[Hq, Qb, T]`` scores).
+#: Query rows per block when summing attention weights (at most).
 QUERY_BLOCK = 256
+#: Attention weights ``[Hq, Qb, T]`` held at a time (float32: 64 MiB).
+MASS_BLOCK_ELEMENTS = 1 << 24
 
 
 def default_probe_layers(num_layers: int) -> tuple[int, ...]:
-    """The layers at 1/4, 3/8 and 1/2 of the model's depth (distinct, ascending): SmolLM2-135M's
-    30 layers give (7, 11, 15). Measured against other choices in ``kvblend bench blend``
-    (README, "query-aware selection")."""
+    """The layers at 1/4, 3/8 and 1/2 of the model's depth (distinct, ascending, rounded half to
+    even): SmolLM2-135M's 30 layers give (8, 11, 15). Chosen against later and wider sets by
+    ``kvblend bench blend`` (README, "Query-aware selection")."""
     picks = {max(0, min(num_layers - 1, round(num_layers * f))) for f in (0.25, 0.375, 0.5)}
     return tuple(sorted(picks))
 
@@ -69,7 +73,10 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
 
     Each query row attends causally (keys at positions ``<= q_pos``); key ``t`` sits at
     position ``t``. Weights are the softmax of ``scale * q . k`` per query row and head, as the
-    model's own attention computes them (GQA: query head ``h`` reads KV head ``h // (Hq/H)``).
+    model's own attention computes them (GQA: query head ``h`` reads KV head ``h // (Hq/H)``),
+    in float32 whatever the model's dtype. Query rows go in blocks of at most
+    :data:`MASS_BLOCK_ELEMENTS` weights (``Hq * rows * T``), so a 32K-token prompt of a 7B
+    model holds ~64 MiB of weights at a time.
 
     Args:
         q: ``[Q, Hq, D]`` the query rows' queries (after RoPE at their positions).
@@ -91,22 +98,22 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be [{q.shape[0]}], got {tuple(q_pos.shape)}")
-    num_keys, group = k.shape[0], q.shape[1] // k.shape[1]
-    kh = k.to(torch.float32).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
+    (num_keys, num_kv_heads, head_dim), group = k.shape, q.shape[1] // k.shape[1]
+    kh = k.to(torch.float32).transpose(0, 1)  # [H, T, D]
+    vnorm = None if v is None else v.to(torch.float32).norm(dim=-1).transpose(0, 1)  # [H, T]
     key_pos = torch.arange(num_keys, device=k.device)
     mass = torch.zeros(num_keys, dtype=torch.float32, device=k.device)
-    vnorm = None
-    if v is not None:
-        vnorm = v.to(torch.float32).norm(dim=-1).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T]
-    for start in range(0, q.shape[0], QUERY_BLOCK):
-        qb = q[start:start + QUERY_BLOCK].to(torch.float32).transpose(0, 1)  # [Hq, Qb, D]
-        logits = torch.matmul(qb, kh.transpose(1, 2)) * scale  # [Hq, Qb, T]
-        visible = key_pos[None, :] <= q_pos[start:start + QUERY_BLOCK, None].to(k.device)  # [Qb, T]
-        logits = logits.masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(logits, dim=-1)  # [Hq, Qb, T]
+    rows = max(1, min(QUERY_BLOCK, MASS_BLOCK_ELEMENTS // max(1, q.shape[1] * num_keys)))
+    for start in range(0, q.shape[0], rows):
+        qb = q[start:start + rows].to(torch.float32)  # [Qb, Hq, D]
+        n = qb.shape[0]
+        qg = qb.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+        logits = torch.matmul(qg, kh.transpose(1, 2)).view(num_kv_heads, group, n, num_keys) * scale
+        visible = key_pos[None, :] <= q_pos[start:start + rows, None].to(k.device)  # [Qb, T]
+        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)  # [H, G, Qb, T]
         if vnorm is not None:
-            weights = weights * vnorm[:, None, :]
-        mass += weights.sum(dim=(0, 1))
+            weights = weights * vnorm[:, None, None, :]
+        mass += weights.sum(dim=(0, 1, 2))
     return mass
 
 
@@ -150,9 +157,12 @@ def sink_rows_of(hits, sink_tokens: int, limit: int) -> torch.Tensor:
 def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, num_query_rows: int,
                      probe_layers: tuple[int, ...], cached_layer: Callable[[int, int], torch.Tensor],
                      scale: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     value_norm: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                     value_norm: bool = True,
+                     ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
     """Step 1 of the module docstring: run the always-computed rows through layers
-    ``0 .. max(probe_layers)`` over the cached KV and add up the query rows' attention.
+    ``0 .. max(probe_layers)`` over the cached KV and add up the query rows' attention; a
+    generator that yields each probe layer's index once it is done (the engine's
+    ``blend_steps`` slices the probe like the blend) and returns its result.
 
     Args:
         model: the :class:`~blend.protocols.BlendModel`.
@@ -193,6 +203,38 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
         if layer_idx < last:
             attn_out = causal_attention(q, kv[0], kv[1], active, scale)
             hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
+        yield layer_idx
     if reduce is not None:
         mass = reduce(mass)
     return mass, buffers
+
+
+def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tensor], scale: float,
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+    """Steps 1-2 of the module docstring for one request, a step per probe layer: returns
+    ``(selected, probed)``, the ``[S]`` int64 reused rows to recompute and the probe's layer
+    buffers (empty when the probe was skipped: ratio 0, or a budget that takes every reused
+    row — nothing to rank).
+
+    Args:
+        model: the :class:`~blend.protocols.BlendModel`.
+        plan: the :class:`~blend.plan.BlendPlan` (``query_rows`` must not be None).
+        rows: its :class:`~blend.rows.RequestRows`.
+        cached_layer, scale, reduce: as :func:`probe_query_mass`.
+    """
+    device, num_tokens = rows.is_reused.device, plan.blend_end
+    ratio = plan.recompute_ratios[0]
+    reused_rows = torch.nonzero(rows.is_reused).flatten()  # [R]
+    budget = num_to_select(rows.num_reused, ratio)
+    if budget == 0 or budget >= reused_rows.numel():
+        return reused_rows[:budget], {}
+    start, end = plan.query_rows
+    is_reused = torch.zeros(end, dtype=torch.bool, device=device)
+    is_reused[:num_tokens] = rows.is_reused
+    all_ids = torch.tensor(plan.token_ids[:end], dtype=torch.int64, device=device)
+    layers = probe_layers_for(plan.probe_layers, model.spec.num_layers)
+    mass, probed = yield from probe_query_mass(model, all_ids, is_reused, end - start, layers, cached_layer,
+                                               scale, reduce)
+    sinks = sink_rows_of(rows.hits, plan.sink_tokens, num_tokens).to(device)
+    return select_by_query_mass(mass, reused_rows, sinks, ratio, rows.num_reused), probed

@@ -24,12 +24,15 @@ class BlendCounters:
             always computed when logits are wanted).
         computed_tokens: the other tokens (prefix, separators, missed chunks, query), computed
             in every layer.
-        selected_tokens: reused tokens chosen at the last check layer.
+        selected_tokens: reused tokens recomputed: chosen at the last check layer, or by the
+            query's attention before layer 0 (``query_attention``).
         recomputed_tokens_per_layer: rows computed in each layer (``T`` up to the first check layer).
-        selection: how reused tokens were chosen (:data:`blend.config.SELECTIONS`).
+        selection: how reused tokens were chosen (:data:`blend.config.SELECTIONS`; ``forced``
+            for ``plan.forced_recompute``; ``""`` without hits).
         selection_fallback: why the plan's selection was not used (e.g. ``"no query
             segment"`` for ``query_attention``), None when it was.
-        probe_s: seconds of the ``query_attention`` probe and selection (part of ``compute_s``).
+        probe_s: seconds computing the ``query_attention`` probe and selection (part of
+            ``compute_s``; its load waits are in ``load_wait_s``).
         load_wait_s: time the engine waited for the source.
         compute_s: the rest of the request's wall time.
         full_prefill_reason: why the request was computed by full prefill (None when blended).

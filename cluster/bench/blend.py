@@ -80,6 +80,13 @@ def _floats(text: str, name: str) -> list[float]:
     return vals
 
 
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{name}={text!r}: expected comma-separated integers") from None
+
+
 def _decode(model, kv, first_logits, max_new_tokens: int, eos_ids, torch):
     """Greedy answer from a prompt's KV (list of [2, T, H, D]) and its last logits [V]."""
     from transformers import DynamicCache
@@ -290,8 +297,7 @@ class _Bench:
 
         from blend.planner import make_plan
 
-        probe = tuple(int(x) for x in _floats(self.args.probe_layers, "probe-layers")) \
-            if self.args.probe_layers else self.config.probe_layers
+        probe = _ints(self.args.probe_layers, "probe-layers") if self.args.probe_layers else self.config.probe_layers
         sinks = self.config.sink_tokens if self.args.sink_tokens is None else self.args.sink_tokens
         cfg = dataclasses.replace(self.config, blend_separator=self.separator, check_layers=self.check_layers,
                                   recompute_ratios=(ratio,), recompute_thresholds=(), min_tokens=0,

@@ -238,7 +238,7 @@ class KVBlendWorker:
         self._counters.bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,
                             reused_tokens=c.reused_tokens, selected_tokens=c.selected_tokens,
                             computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s,
-                            query_selections=int(c.selection == "query_attention"),
+                            query_selections=int(c.selection == "query_attention" and c.full_prefill_reason is None),
                             selection_fallbacks=int(c.selection_fallback is not None), probe_s=c.probe_s)
         if c.full_prefill_reason is not None:
             self._counters.bump(fallbacks=1)

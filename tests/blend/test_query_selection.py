@@ -207,3 +207,57 @@ def _resolved(value):
     fut = Future()
     fut.set_result(value)
     return fut
+
+
+def test_the_probe_is_sliced_into_steps_and_waits_are_not_probe_time(make_setup):
+    """blend_steps yields once per probe layer before the blend's layers (vLLM's async path
+    interleaves other requests between steps); probe_s counts compute only."""
+    from blend.engine import run_steps
+
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9])
+    plan = plan_for(ids, spans, client, ratio=0.15, selection="query_attention", probe_layers=(1, 2))
+    steps = list(_steps(engine.blend_steps(plan)))
+    num_layers = engine.spec.num_layers
+    assert steps == [0, 1, 2] + list(range(num_layers))
+    res = run_steps(engine.blend_steps(plan))
+    assert 0 < res.counters.probe_s <= res.counters.compute_s
+
+
+def _steps(gen):
+    with torch.no_grad():
+        while True:
+            try:
+                yield next(gen)
+            except StopIteration:
+                return
+
+
+def test_probe_layers_outside_the_model_are_refused_at_any_ratio(make_setup):
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    for ratio in (0.0, 0.15, 1.0):
+        with pytest.raises(ValueError, match="probe_layers"):
+            engine.blend(plan_for(ids, spans, client, ratio=ratio, selection="query_attention",
+                                  probe_layers=(engine.spec.num_layers,)))
+
+
+def test_counters_name_the_selection_that_chose_the_rows(make_setup):
+    import dataclasses
+
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    cold = plan_for(ids, spans, LocalCacheClientEmpty(), ratio=0.15, selection="query_attention")
+    assert engine.blend(cold).counters.selection == ""  # no hits: nothing was selected
+    plan = plan_for(ids, spans, client, ratio=0.15, selection="query_attention")
+    forced = dataclasses.replace(plan, forced_recompute=(10, 11))
+    assert engine.blend(forced).counters.selection == "forced"
+    assert engine.blend(plan).counters.selection == "query_attention"
+    assert engine.blend(dataclasses.replace(plan, selection="v_deviation")).counters.selection == "v_deviation"
+
+
+def LocalCacheClientEmpty():  # noqa: N802 - a factory named like the class it builds
+    from cluster.cache.local import LocalCacheClient
+    from tiers.tier import MemoryTier
+
+    return LocalCacheClient(MemoryTier(1 << 20, name="host"))
