@@ -7,7 +7,7 @@ through ``vllm.LLM`` on the CPU backend, one engine at a time, in this one run:
 * ``full``        — vLLM without a connector, automatic prefix caching off;
 * ``vllm_prefix`` — vLLM without a connector, automatic prefix caching on;
 * ``kvblend``     — vLLM + :class:`cluster.vllm.connector.KVBlendConnector` at recompute ratio
-  0.15 (``--ratio``), vLLM's prefix caching off (so every reuse is ours), the connector's
+  0.15 (``--ratio``) and the connector's selection (``--selection``), vLLM's prefix caching off (so every reuse is ours), the connector's
   defaults otherwise (blends on vLLM's async-load path); without a reachable Ray cache its
   machine-local cache is a fresh one in this run's temporary directory.
 
@@ -22,7 +22,7 @@ in the output, the engine's log stats on); the wall time of the whole request is
 JSON per mode: ``ttft_s`` (median), ``ttft_p90_s``, ``ttft_ratio`` (median / ``full``'s median),
 ``agreement`` (mean token F1 of the answer vs ``full``'s), ``hit_rate`` (prompt tokens served
 from a cache: vLLM's ``num_cached_tokens`` for ``vllm_prefix``, tokens claimed by the connector
-for ``kvblend``), and for ``kvblend`` ``segment_hit_rate``, ``fallbacks``, ``selected_tokens``.
+for ``kvblend``), and for ``kvblend`` ``segment_hit_rate``, ``fallbacks``, ``selected_tokens``, ``selection``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="musique", help="musique, wikimqa or a *.norm.jsonl path")
     p.add_argument("--num-examples", type=int, default=20, help="first N rows (default 20)")
     p.add_argument("--ratio", type=float, default=0.15, help="kvblend recompute ratio (default 0.15)")
+    p.add_argument("--selection", default="", help="kvblend selection (k_deviation, v_deviation, kv_deviation, "
+                                                   "query_attention; default: the connector's)")
     p.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model dtype (default float32: faster than bf16 on CPUs without AMX)")
@@ -96,7 +98,8 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
             # a fresh machine-local cache (under this run's temporary directory): the measured
             # prompts hit only what this run's warm-up stored
             kv_connector_extra_config={"stats_path": stats_path, "recompute_ratios": [args.ratio],
-                                       "disk_path": os.path.join(os.path.dirname(stats_path), "cache")})
+                                       "disk_path": os.path.join(os.path.dirname(stats_path), "cache"),
+                                       **({"selection": args.selection} if args.selection else {})})
     llm = LLM(model_path, **kwargs)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     answer = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
@@ -139,7 +142,8 @@ def _run_mode(mode: str, model_path: str, dtype: str, measured, warm, args, stat
                    fallbacks=sum(1 for ld in loads if ld and ld.get("fallback")),
                    selected_tokens=statistics.mean(ld["selected_tokens"] for ld in loads if ld) if any(loads) else 0,
                    reused_tokens=statistics.mean(ld["reused_tokens"] for ld in loads if ld) if any(loads) else 0,
-                   recompute_ratio=args.ratio)
+                   recompute_ratio=args.ratio,
+                   selection=next((ld["selection"] for ld in loads if ld and ld.get("selection")), ""))
     else:
         row["hit_rate"] = statistics.mean(cached)
     return row
@@ -202,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
                    "import sys; from cluster.bench.vllm import child_main; sys.exit(child_main(sys.argv[1:]))",
                    "--json", args.json, "--dataset", args.dataset,
                    "--num-examples", str(args.num_examples), "--ratio", str(args.ratio),
+                   "--selection", args.selection,
                    "--model", args.model, "--dtype", args.dtype,
                    "--max-new-tokens", str(args.max_new_tokens), "--max-passages", str(args.max_passages),
                    "--mode-only", mode, "--row-out", row_out]

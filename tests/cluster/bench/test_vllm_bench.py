@@ -16,7 +16,8 @@ def test_bench_vllm_one_example(tmp_path):
     out = tmp_path / "vllm.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "cluster.cli.main", "bench", "vllm", "--json", str(out),
-                           "--num-examples", "1", "--max-passages", "2", "--max-new-tokens", "2"],
+                           "--num-examples", "1", "--max-passages", "2", "--max-new-tokens", "2",
+                           "--selection", "query_attention"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     got = json.loads(out.read_text())
@@ -28,3 +29,4 @@ def test_bench_vllm_one_example(tmp_path):
     kv = got["modes"]["kvblend"]
     # the warm-up (passages reversed) stored both passages: the measured prompt hits both
     assert kv["segment_hit_rate"] == 1.0 and kv["fallbacks"] == 0 and kv["hit_rate"] > 0.5
+    assert kv["selection"] == "query_attention"
