@@ -1,8 +1,11 @@
 """Configuration of the CacheBlend engine.
 
 Defaults follow LMCache's blending defaults where they exist (check layer 1, recompute
-ratio 0.15, min tokens 256) and the separator measured in ../shared/cases/separator-in-context.md
-(a newline-delimited separator keeps BPE merges from crossing segment boundaries).
+ratio 0.15, min tokens 256) and the separator measured in
+../shared/cases/separator-in-context.md (a newline-delimited separator keeps BPE merges from
+crossing segment boundaries), except the token selection: ``query_attention`` recovers more
+of full prefill's quality than CacheBlend's K deviation at the same ratio on both shared QA
+sets (README, "Benchmarks"; LMCache configurations keep ``k_deviation``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class BlendConfig:
         (), "optional deviation floor per check layer: selected tokens scoring below it are not recomputed (unused by query_attention)",
         (0.0, 1e30))
     selection: str = _f(
-        "k_deviation", "how reused tokens are chosen for recompute: k_deviation / v_deviation / kv_deviation "
+        "query_attention", "how reused tokens are chosen for recompute: k_deviation / v_deviation / kv_deviation "
         "(CacheBlend, at the check layers) or query_attention (the query's attention on the cached "
         "context, before layer 0; check_layers and recompute_thresholds unused)", None, SELECTIONS)
     probe_layers: tuple[int, ...] = _f(
