@@ -244,6 +244,16 @@ def forge_header(obj: bytes, **changes) -> bytes:
 HANG_S = 10.0
 
 
+class FakeClock:
+    """A ``time.monotonic`` stand-in a test moves by hand (``clock.now += 5``)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def returns_within(fn, *args, hang_s: float = HANG_S, what: str = ""):
     """``fn(*args)``'s result, failing the test when it does not return within ``hang_s``
     (``what`` names the hang in the message); an exception it raises is re-raised here."""

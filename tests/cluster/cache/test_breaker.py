@@ -10,19 +10,12 @@ import logging
 import pytest
 
 from cluster.cache.breaker import ALL, CLOSED, HALF_OPEN, OPEN, PROBE, TierBreaker
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.factories import FakeClock
 
 
 @pytest.fixture
 def clock():
-    return _Clock()
+    return FakeClock()
 
 
 @pytest.fixture

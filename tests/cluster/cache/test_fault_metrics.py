@@ -21,6 +21,7 @@ from cluster.cache import shard as shard_mod
 from cluster.cache.metrics import METRICS, ShardMetrics, prometheus_names
 from tests.factories import (
     HANG_S,
+    FakeClock,
     make_key,
     make_kv,
     make_object,
@@ -135,14 +136,6 @@ class _Tier:
         return {}
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def shard(monkeypatch, tmp_path):
     s = ray_free_shard(monkeypatch, tmp_path,
@@ -159,7 +152,7 @@ def shard(monkeypatch, tmp_path):
 def test_breaker_changes_and_lookup_timeouts_are_emitted_where_counted(shard):
     lookup, rec = shard._lower_lookup, shard.rec
     lookup.failures = 1  # one timed-out lookup opens a tier's breaker
-    clock = _Clock()
+    clock = FakeClock()
     for tier in ("redis", "s3"):
         lookup.breaker(tier)._clock = clock
     assert rec.of() == [("kvblend_breaker_open", 0.0, {"tier": "redis"}),  # closed from the start
