@@ -157,7 +157,6 @@ def sink_rows_of(hits, sink_tokens: int, limit: int) -> torch.Tensor:
 def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, num_query_rows: int,
                      probe_layers: tuple[int, ...], cached_layer: Callable[[int, int], torch.Tensor],
                      scale: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     value_norm: bool = True,
                      ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
     """Step 1 of the module docstring: run the always-computed rows through layers
     ``0 .. max(probe_layers)`` over the cached KV and add up the query rows' attention; a
@@ -175,8 +174,7 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
             with the hit rows filled (raises to abandon the blend).
         scale: softmax scale.
         reduce: sums a ``[T]`` tensor over tensor-parallel ranks (each holds its own heads).
-        value_norm: weight each attention weight by the norm of the value it reads
-            (:func:`query_attention_mass`).
+        Each weight is multiplied by the norm of the value it reads (:func:`query_attention_mass`).
 
     Returns:
         ``(mass [T] float32, buffers)``: ``buffers[l]`` is layer ``l``'s buffer with the
@@ -199,7 +197,7 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
         kv[1, active] = v
         buffers[layer_idx] = kv
         if layer_idx in probe_layers:
-            mass += query_attention_mass(q[query], active[query], kv[0], scale, kv[1] if value_norm else None)
+            mass += query_attention_mass(q[query], active[query], kv[0], scale, kv[1])
         if layer_idx < last:
             attn_out = causal_attention(q, kv[0], kv[1], active, scale)
             hidden, residual = model.finish_layer(layer_idx, attn_out, residual)
