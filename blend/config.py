@@ -18,7 +18,7 @@ DEFAULT_SEPARATOR = "\n# #\n"
 
 #: How the reused tokens to recompute are chosen (:mod:`blend.query_selection` for the
 #: query-aware mode; the deviations are CacheBlend's, :mod:`blend.selection`).
-SELECTIONS = ("k_deviation", "v_deviation", "kv_deviation", "query_attention")
+SELECTIONS = ("k_deviation", "v_deviation", "kv_deviation", "query_attention", "query_k_deviation")
 #: The selection LMCache's blend variables mean (CacheBlend's K deviation).
 LMCACHE_SELECTION = "k_deviation"
 
@@ -39,13 +39,14 @@ class BlendConfig:
         (0.0, 1e30))
     selection: str = _f(
         "query_attention", "how reused tokens are chosen for recompute: k_deviation / v_deviation / kv_deviation "
-        "(CacheBlend, at the check layers) or query_attention (the query's attention on the cached "
-        "context, before layer 0; check_layers and recompute_thresholds unused)", None, SELECTIONS)
+        "(CacheBlend, at the check layers), query_attention (the query's attention on the cached "
+        "context, before layer 0; check_layers and recompute_thresholds unused) or query_k_deviation "
+        "(half the budget by query attention, the rest by K deviation at the check layers)", None, SELECTIONS)
     probe_layers: tuple[int, ...] = _f(
-        (), "query_attention: 0-based layers whose query attention is summed (() = the model's "
+        (), "query_attention, query_k_deviation: 0-based layers whose query attention is summed (() = the model's "
         "layers at 1/4, 3/8 and 1/2 of its depth)", (0, 4096))
     sink_tokens: int = _f(
-        4, "query_attention: first tokens of every reused chunk always recomputed (inside the budget)",
+        4, "query_attention, query_k_deviation: first tokens of every reused chunk always recomputed (inside the budget)",
         (0, 4096))
     min_tokens: int = _f(
         256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))

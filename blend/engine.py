@@ -16,7 +16,10 @@ Algorithm (Yao et al., "CacheBlend", EuroSys 2025, §4.2-§4.3 selection, §5 pi
 That is the plan's ``selection`` ``k_deviation`` (``v_deviation``, ``kv_deviation``: V or K+V
 deviation instead). With ``query_attention`` the rows are chosen once, before layer 0, by a
 probe of the query's attention over the cached context (:mod:`blend.query_selection`); then
-no layer computes every row and the check layers are not used. Selection is one hook,
+no layer computes every row and the check layers are not used. ``query_k_deviation`` is
+their union within the same budget: the probe chooses half of it before layer 0, every row
+is computed up to the check layers as in CacheBlend, and K deviation fills the rest there.
+Selection is one hook,
 :meth:`BlendEngine._select` at a check layer or :meth:`BlendEngine._select_by_query` before
 the layer loop; the loop itself is the same for every mode.
 
@@ -45,6 +48,7 @@ V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -64,7 +68,9 @@ from blend.rows import RequestRows, check_layer_batch, place_cached, request_row
 log = logging.getLogger(__name__)
 
 #: The deviation each CacheBlend selection ranks reused rows by at a check layer.
-DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv"}
+DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv", "query_k_deviation": "k"}
+#: Selections that probe the query's attention before layer 0 (:mod:`blend.query_selection`).
+QUERY_SELECTIONS = ("query_attention", "query_k_deviation")
 
 OnLayer = Callable[[int, torch.Tensor], None]
 
@@ -207,7 +213,7 @@ class BlendEngine:
             bad = [c for c in plan.check_layers if not 0 <= c < self.spec.num_layers]
             if bad:
                 raise ValueError(f"check_layers {bad} outside the model's {self.spec.num_layers} layers")
-            if plan.selection == "query_attention":
+            if plan.selection in QUERY_SELECTIONS:
                 qs.probe_layers_for(plan.probe_layers, self.spec.num_layers)  # raises when outside
             try:
                 result = yield from _timed(self._blend(plan, want_logits, on_layer, counters), spent)
@@ -274,21 +280,6 @@ class BlendEngine:
             yield layer_idx
         logits = model.logits(hidden[-1:], residual[-1:])[0] if want_logits else None
         return BlendResult(kv_layers, logits, positions.clone(), counters)
-
-    def _scores(self, score: str, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, fresh_idx: torch.Tensor,
-                cached_idx: torch.Tensor) -> torch.Tensor:
-        """Deviation ``[Rc]`` float32 of fresh rows ``k[fresh_idx]`` (``v``) from cached rows
-        ``kv[:, cached_idx]`` (``score``: ``k``, ``v`` or ``kv``, their sum), summed over this
-        rank's KV heads and then over the ranks of ``process_group`` (so every rank ranks the
-        same numbers)."""
-        if score == "k":
-            scores = ops.deviation_scores(k, kv[0], fresh_idx, cached_idx)
-        elif score == "v":
-            scores = ops.deviation_scores(v, kv[1], fresh_idx, cached_idx)
-        else:
-            scores = (ops.deviation_scores(k, kv[0], fresh_idx, cached_idx)
-                      + ops.deviation_scores(v, kv[1], fresh_idx, cached_idx))
-        return self._sum_ranks(scores)
 
     def _sum_ranks(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the ranks of ``process_group`` (in place; ``x`` without one)."""
@@ -359,18 +350,22 @@ class BlendEngine:
         return kv
 
     def _select(self, plan: BlendPlan, rows: RequestRows, layer_idx: int, active: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters) -> torch.Tensor:
+                k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters,
+                seed: torch.Tensor | None = None) -> torch.Tensor:
         """Step 4 of :meth:`_blend`, at a check layer: ``[A']`` indices into ``active`` of the rows
         computed above it: every non-reused row plus the reused rows selected by deviation of
         fresh ``k``/``v`` ``[A, H, D]`` from the cached rows of ``kv`` (scored before the fresh
-        rows overwrite them), or those ``plan.forced_recompute`` names."""
+        rows overwrite them), or those ``plan.forced_recompute`` names. ``seed``: ``[S]`` rows
+        the query probe chose (``query_k_deviation``), kept ahead of any deviation."""
         i = plan.check_layers.index(layer_idx)
         cand_local = torch.nonzero(rows.is_reused[active]).flatten()  # reused rows computed here
         if rows.forced is not None:
             sel_local = cand_local[rows.forced[active[cand_local]]]
         else:
-            scores = self._scores(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
-                                  active[cand_local])  # [Rc]
+            scores = self._sum_ranks(ops.deviation_of(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
+                                                  active[cand_local]))  # [Rc], summed over the ranks
+            if seed is not None:  # query_k_deviation: the probe's rows rank first
+                scores[torch.isin(active[cand_local], seed)] = float("inf")
             threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
             sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
                                              num_reused=rows.num_reused)
@@ -384,38 +379,44 @@ class BlendEngine:
         ``counters.selection``: the mode that chose its rows (``""`` without hits, ``forced``
         for ``plan.forced_recompute``); a plan that asks for ``query_attention`` without a
         query segment is ranked by K deviation (``counters.selection_fallback`` says so)."""
-        by_query = plan.selection == "query_attention" and rows.keys and rows.forced is None
+        by_query = plan.selection in QUERY_SELECTIONS and rows.keys and rows.forced is None
         if by_query and plan.query_rows is None:
             counters.selection_fallback, by_query = "no query segment", False
         if not rows.keys or rows.forced is not None:
             counters.selection = "forced" if rows.keys else ""
         else:
-            counters.selection = "query_attention" if by_query else (
-                plan.selection if plan.selection in DEVIATIONS else "k_deviation")
+            counters.selection = plan.selection if by_query else (
+                plan.selection if plan.selection in DEVIATIONS and plan.selection not in QUERY_SELECTIONS
+                else "k_deviation")
         return bool(by_query)
 
     def _select_by_query(self, plan: BlendPlan, rows: RequestRows, pending: dict[int, Future],
                          positions: torch.Tensor, counters: BlendCounters,
-                         ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
-        """The ``query_attention`` selection, before layer 0, a step per probe layer; returns
-        ``(active, probed)``: the ``[A]`` rows the blend computes in every layer (``positions``
-        itself when that is all of them) and the probe's layer buffers ``{layer: [2, T_prompt,
-        H, D]}`` for the blend to reuse. Ratio 0 and a budget that takes every reused row skip
-        the probe (nothing to rank). ``counters.probe_s``: its compute time (load waits excluded).
+                         ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]]:
+        """The query probe, before layer 0, a step per probe layer; returns ``(active, probed,
+        selected)``: the ``[A]`` rows the blend computes in every layer (``positions`` itself when
+        that is all of them), the probe's layer buffers ``{layer: [2, T_prompt, H, D]}`` for the
+        blend to reuse and the ``[S]`` reused rows the probe chose. ``query_attention`` spends the
+        whole budget here; ``query_k_deviation`` half of it (``ceil(ratio / 2 * reused)``, sinks
+        included) and computes every row up to the check layers, where K deviation fills the rest
+        (:meth:`_select`). Ratio 0 and a budget that takes every reused row skip the probe
+        (nothing to rank). ``counters.probe_s``: its compute time (load waits excluded).
 
         Raises:
             _Fallback: a cached layer the probe needs could not be read.
         """
         t0, waited = time.perf_counter(), counters.load_wait_s
+        union = plan.selection == "query_k_deviation"
+        probe_plan = dataclasses.replace(plan, recompute_ratios=(plan.recompute_ratios[0] / 2,)) if union else plan
         selected, probed = yield from qs.select_rows(
-            self.model, plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
+            self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
             self._sum_ranks if self.process_group is not None else None)
         if probed:
             counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
         counters.selected_tokens = int(selected.numel())
         keep = ~rows.is_reused
         keep[selected] = True
-        return (positions if bool(keep.all()) else torch.nonzero(keep).flatten()), probed
+        return (positions if union or bool(keep.all()) else torch.nonzero(keep).flatten()), probed, selected
 
     def _blend(self, plan: BlendPlan, want_logits: bool, on_layer: OnLayer | None,
                counters: BlendCounters) -> Generator[int, None, BlendResult]:
@@ -429,8 +430,11 @@ class BlendEngine:
         ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=model.device)
         positions = torch.arange(num_tokens, device=model.device)
         by_query = self._query_mode(plan, rows, counters)
+        seed = None  # query_k_deviation: the rows the probe chose, kept at the check layers
         if by_query:  # selection before layer 0: the blend reads every layer of the cache
-            check_layers, first_check, last_check = [], 0, -1
+            first_check = 0
+            if plan.selection == "query_attention":
+                check_layers, last_check = [], -1
         pending = self._start_fetch(rows, first_check)  # {layer: future}, every layer at once
         active = positions  # [A] rows computed in this layer, ascending
         probed: dict[int, torch.Tensor] = {}  # layer -> buffer the query probe filled
@@ -438,7 +442,7 @@ class BlendEngine:
         kv_layers: list[torch.Tensor] = []
         try:
             if by_query:
-                active, probed = yield from self._select_by_query(plan, rows, pending, positions, counters)
+                active, probed, seed = yield from self._select_by_query(plan, rows, pending, positions, counters)
             hidden, residual = model.embed(ids if active is positions else ids[active]), None  # [A, E]
             for layer_idx in range(self.spec.num_layers):
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,
@@ -456,7 +460,7 @@ class BlendEngine:
                         kv = kv[:, :num_tokens].contiguous()
                     new_active = active
                     if layer_idx in check_layers:
-                        keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters)
+                        keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters, seed)
                         new_active = active[keep_local]
                     if active.numel() == num_tokens:  # every row fresh: plain copies
                         kv[0].copy_(k)

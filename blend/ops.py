@@ -45,6 +45,34 @@ FLEX_BLOCK = 128
 REFERENCE_QUERY_BLOCK = 1024
 #: Position given to padded keys: never visible to any query.
 _NEVER = NEVER
+#: Compiled FlexAttention shapes kept before torch.compile gives up and runs it eagerly
+#: (dynamo's default is 8; every (query bucket, key bucket) pair is one shape, see
+#: :func:`shape_bucket`).
+FLEX_RECOMPILE_LIMIT = 256
+
+
+def shape_bucket(n: int) -> int:
+    """The padded length FlexAttention is compiled for: the smallest of 128, 256, 384, 512,
+    768, 1024, ... (``128 * 2**k`` and ``192 * 2**k``, whole 128-row tiles) that holds ``n``:
+    at most 50% padding above 256 (128 below), two shapes per doubling, so a server sees a
+    bounded set of compiled shapes whatever its prompt lengths."""
+    size = FLEX_BLOCK
+    while size < n:
+        size = 2 * size if size == FLEX_BLOCK else (size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3)
+    return size
+
+
+def deviation_of(score: str, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, fresh_idx: torch.Tensor,
+                 cached_idx: torch.Tensor) -> torch.Tensor:
+    """Deviation ``[Rc]`` float32 of fresh rows ``k[fresh_idx]`` (``v``) ``[A, H, D]`` from the
+    cached rows ``kv[:, cached_idx]`` of a layer buffer ``[2, T, H, D]`` (``score``: ``k``,
+    ``v`` or ``kv``, their sum), summed over KV heads (:func:`deviation_scores`; the engine
+    sums it over tensor-parallel ranks)."""
+    if score == "k":
+        return deviation_scores(k, kv[0], fresh_idx, cached_idx)
+    if score == "v":
+        return deviation_scores(v, kv[1], fresh_idx, cached_idx)
+    return deviation_scores(k, kv[0], fresh_idx, cached_idx) + deviation_scores(v, kv[1], fresh_idx, cached_idx)
 
 
 def select_top_ratio(scores: torch.Tensor, ratio: float, threshold: float | None = None,
@@ -199,10 +227,20 @@ def build_block_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor | None, num_kv: i
 
 @functools.cache
 def _compiled_flex():
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
     # static shapes: torch 2.11's inductor found no kernel choice for flex_attention with
-    # dynamic shapes (NoValidChoicesError, H200, 2026-11-29); each (Q, T) compiles once
+    # dynamic shapes (NoValidChoicesError, H200, 2026-11-29); each bucketed (Q, T) compiles
+    # once. Past dynamo's recompile limit (8 shapes) flex_attention runs unfused, eagerly
+    # (seen on the H200, 2026-12-01: bench blend over 20 prompts of varying length): the
+    # limit is raised for the bounded set of bucketed shapes.
+    cfg = torch._dynamo.config
+    for name, floor in (("recompile_limit", FLEX_RECOMPILE_LIMIT), ("cache_size_limit", FLEX_RECOMPILE_LIMIT),
+                        ("accumulated_recompile_limit", 4 * FLEX_RECOMPILE_LIMIT),
+                        ("accumulated_cache_size_limit", 4 * FLEX_RECOMPILE_LIMIT)):
+        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) < floor:
+            setattr(cfg, name, floor)
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -218,15 +256,17 @@ class RowMask:
     (:func:`prepare_rows`) and passed to every :func:`selected_row_attention` call.
 
     Attributes:
-        q_pos_padded: ``[Qp]`` int64, positions padded to whole 128-row tiles.
-        num_q: real query rows ``Q``; num_kv: keys ``T``.
-        block_mask: the ``BlockMask`` (keys at ``kv_pos``, or ``0..T-1``).
+        q_pos_padded: ``[Qp]`` int64, positions padded to :func:`shape_bucket` rows.
+        num_q: real query rows ``Q``; num_kv: keys ``T``; kv_len: ``shape_bucket(T)``, the
+            keys the mask (and the padded K/V) spans.
+        block_mask: the ``BlockMask`` (keys at ``kv_pos``, or ``0..T-1``; padded keys unseen).
     """
 
     q_pos_padded: torch.Tensor
     num_q: int
     num_kv: int
     block_mask: object
+    kv_len: int = 0
 
 
 def prepare_rows(q_pos: torch.Tensor, num_kv: int, kv_pos: torch.Tensor | None = None) -> RowMask:
@@ -241,9 +281,23 @@ def prepare_rows(q_pos: torch.Tensor, num_kv: int, kv_pos: torch.Tensor | None =
     if kv_pos is not None and kv_pos.shape != (num_kv,):
         raise ValueError(f"kv_pos must be [{num_kv}], got {tuple(kv_pos.shape)}")
     num_q = q_pos.numel()
-    padded = _pad(q_pos.to(torch.int64), -(-num_q // FLEX_BLOCK) * FLEX_BLOCK, None).contiguous()
-    mask = build_block_mask(padded, None if kv_pos is None else kv_pos.to(q_pos.device), num_kv)
-    return RowMask(padded, num_q, int(num_kv), mask)
+    padded = _pad_rows(q_pos.to(torch.int64), shape_bucket(num_q))
+    kv_len = shape_bucket(int(num_kv))
+    mask = build_block_mask(padded, _pad_keys(kv_pos, kv_len, q_pos.device), kv_len)
+    return RowMask(padded, num_q, int(num_kv), mask, kv_len)
+
+
+def _pad_rows(q_pos: torch.Tensor, length: int) -> torch.Tensor:
+    """Query positions ``[Q]`` padded to ``length``: the last real 128-row tile repeats its
+    last position; whole padded tiles get position 0 (they read one key block: nearly free)."""
+    tile = -(-q_pos.numel() // FLEX_BLOCK) * FLEX_BLOCK
+    return _pad(_pad(q_pos, tile, None), length, 0).contiguous()
+
+
+def _pad_keys(kv_pos: torch.Tensor | None, kv_len: int, device: torch.device) -> torch.Tensor | None:
+    """Key positions padded to ``kv_len`` with a position no query reaches (None stays None:
+    keys ``0..kv_len-1``, whose padded tail lies past every query's position)."""
+    return None if kv_pos is None else _pad(kv_pos.to(device, torch.int64), kv_len, _NEVER)
 
 
 def selected_row_attention(q_sel: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -289,16 +343,20 @@ def selected_row_attention(q_sel: torch.Tensor, q_pos: torch.Tensor, k: torch.Te
 def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
     """The FlexAttention path of :func:`selected_row_attention` (any device; CUDA in use)."""
     device = k.device
-    num_q = q_sel.shape[0]
-    # Query rows padded to a multiple of the tile (copies of the last row, dropped after):
-    # torch 2.11's inductor finds no flex kernel for fewer than 128 rows (H200, 2026-11-29),
-    # and bucketing Q bounds the number of compiled shapes.
-    num_q_pad = -(-num_q // FLEX_BLOCK) * FLEX_BLOCK
+    num_q, num_kv = q_sel.shape[0], k.shape[0]
+    # Query rows and keys padded to shape buckets (rows: copies of the last one, dropped after;
+    # keys: zeros no query sees): torch 2.11's inductor finds no flex kernel for fewer than
+    # 128 rows (H200, 2026-11-29), and each (rows, keys) shape is compiled once, so buckets
+    # bound the number of compiled shapes over any mix of prompt lengths.
+    num_q_pad, kv_len = shape_bucket(num_q), shape_bucket(num_kv)
     if num_q_pad != num_q:
         q_sel = torch.cat((q_sel, q_sel[-1:].expand(num_q_pad - num_q, -1, -1)))
+    if kv_len != num_kv:
+        k = F.pad(k, (0, 0, 0, 0, 0, kv_len - num_kv))
+        v = F.pad(v, (0, 0, 0, 0, 0, kv_len - num_kv))
     if rows is None:
-        q_pos = _pad(q_pos.to(device, torch.int64), num_q_pad, None)
-        block_mask = build_block_mask(q_pos, None if kv_pos is None else kv_pos.to(device), k.shape[0])
+        q_pos = _pad_rows(q_pos.to(device, torch.int64), num_q_pad)
+        block_mask = build_block_mask(q_pos, _pad_keys(kv_pos, kv_len, device), kv_len)
     else:
         q_pos, block_mask = rows.q_pos_padded, rows.block_mask
     qh = q_sel.transpose(0, 1).unsqueeze(0)  # [1, Hq, Qp, D]

@@ -3,13 +3,16 @@
 Per example (rows of ../shared/data/qa/, MuSiQue by default, the first N):
 
 1. every passage's canonical KV (the passage alone at 0..n-1, no BOS) is computed and put
-   into the tiers (host + disk under a :class:`~cluster.cache.local.LocalCacheClient`);
+   into the tiers (host + disk under a :class:`~cluster.cache.local.LocalCacheClient`), which
+   the engine reads through the vLLM worker's source
+   (:func:`cluster.vllm.worker_source.build_worker_source`: staged through pinned memory with
+   ``--device cuda``);
 2. the prompt ``PREFIX ⟨sep⟩ p1 ⟨sep⟩ ... ⟨sep⟩ p10 ⟨sep⟩ QUERY`` (see :data:`PREFIX`,
    :data:`QUERY`: the model's chat format, answer within 5 words) is answered by
    (a) ``full``: the HF model's own forward with SDPA (the fastest full prefill here) and
    (b) ``blend_<ratio>``: plan (one batched lookup) + :meth:`BlendEngine.blend` reading KV
-   through the tiers, both timed from token ids to the first token's logits, same dtype and
-   thread count, after a warm-up;
+   through the tiers, both timed from token ids to the first token's logits (synchronized on
+   a GPU), same device, dtype and thread count, after a warm-up;
 3. the answer is decoded greedily (``max_new_tokens`` 16) from each mode's KV by the same HF
    decode loop, and scored.
 
@@ -40,6 +43,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from cluster.bench import blend_report as report
+
 log = logging.getLogger(__name__)
 
 PREFIX = ("<|im_start|>system\nYou will be asked a question after reading several passages. "
@@ -63,11 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--selection", default="k_deviation,query_attention",
                    help="selections to compare, comma-separated (k_deviation, v_deviation, kv_deviation, "
-                        "query_attention; default k_deviation,query_attention)")
+                        "query_attention, query_k_deviation; default k_deviation,query_attention)")
     p.add_argument("--probe-layers", default="", help="query_attention: probe layers (default: the engine's)")
     p.add_argument("--sink-tokens", type=int, default=None, help="query_attention: sink tokens per chunk "
                                                                 "(default: the blend config's)")
     p.add_argument("--separator", default=None, help="segment separator (default: blend config's)")
+    p.add_argument("--plot", default="", metavar="PNG", help="only draw this PNG from --json (a machine "
+                   "without matplotlib writes the JSON alone)")
+    p.add_argument("--device", default="cpu", help="torch device of the model and the blend (default cpu; "
+                   "cuda reads the tiers through the worker's staged source)")
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -85,54 +94,6 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--{name}={text!r}: expected comma-separated integers") from None
-
-
-def _decode(model, kv, first_logits, max_new_tokens: int, eos_ids, torch):
-    """Greedy answer from a prompt's KV (list of [2, T, H, D]) and its last logits [V]."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for i, layer in enumerate(kv):
-        cache.update(layer[0].transpose(0, 1)[None], layer[1].transpose(0, 1)[None], i)
-    num_tokens = kv[0].shape[1]
-    out = [int(first_logits.argmax())]
-    while len(out) < max_new_tokens and out[-1] not in eos_ids:
-        pos = num_tokens + len(out) - 1
-        with torch.no_grad():
-            logits = model(torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True,
-                           position_ids=torch.tensor([[pos]])).logits[0, -1]
-        out.append(int(logits.argmax()))
-    return out
-
-
-def _nll(model, kv, first_logits, target, torch) -> float:
-    """Mean per-token NLL of ``target`` ids teacher-forced after the prompt's KV."""
-    from transformers import DynamicCache
-
-    if not target:
-        return float("nan")
-    logp = [torch.log_softmax(first_logits.float(), -1)[target[0]]]
-    if len(target) > 1:
-        cache = DynamicCache()
-        for i, layer in enumerate(kv):
-            cache.update(layer[0].transpose(0, 1)[None], layer[1].transpose(0, 1)[None], i)
-        num_tokens = kv[0].shape[1]
-        with torch.no_grad():
-            logits = model(torch.tensor([target[:-1]]), past_key_values=cache, use_cache=True,
-                           position_ids=torch.arange(num_tokens, num_tokens + len(target) - 1)[None]).logits[0]
-        lp = torch.log_softmax(logits.float(), -1)
-        logp += [lp[j, t] for j, t in enumerate(target[1:])]
-    return float(-torch.stack(logp).mean())
-
-
-def _bootstrap(values: list[float], seed: int = 0, rounds: int = 2000) -> list[float]:
-    import random
-
-    if not values:
-        return [float("nan"), float("nan")]
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return [means[int(0.05 * rounds)], means[int(0.95 * rounds) - 1]]
 
 
 @dataclass(frozen=True)
@@ -158,39 +119,11 @@ def _modes(ratios: list[float], selections: list[str]) -> list[_Mode]:
     return modes
 
 
-def _plot(summaries: dict, modes: list[_Mode], selections: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(summaries), figsize=(5.5 * len(summaries), 8), squeeze=False)
-    for col, (dataset, summary) in enumerate(summaries.items()):
-        for row, key in enumerate(("gap_recovered", "agreement")):
-            ax = axes[row][col]
-            for sel in selections:
-                pts = [m for m in modes if m.selection == sel or m.name in ("reuse", "recompute_all")]
-                pts = sorted(pts, key=lambda m: m.ratio)
-                xs = [summary[m.name]["ttft_ratio"] for m in pts]
-                ys = [summary[m.name][key] for m in pts]
-                ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=sel)
-                for m, x, y in zip(pts, xs, ys, strict=True):
-                    if y is not None and sel == selections[0]:
-                        ax.annotate(f"{m.ratio:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, -9))
-            ax.set_xlabel("TTFT / full prefill (median)")
-            ax.set_ylabel(key.replace("_", " "))
-            ax.set_title(f"{dataset}, N={summary['meta']['num_examples']}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle("kvblend bench blend: quality against TTFT\nper selection (labels: recompute ratio)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def run(args: argparse.Namespace) -> int:
     """The benchmark: set up once, then per dataset and example store its passages, time and
     decode full prefill, time and decode each mode; write the JSON, the PNG and a table each."""
+    if args.plot:
+        return _replot(args.json, args.plot)
     import torch
     from tqdm import tqdm
 
@@ -228,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 row[mode.name] = bench.blend_mode(ex, ids, spans, mode, full)
             rows.append(row)
         summaries[dataset] = _summary(args, bench, dataset, rows, modes, check_layers)
-        _print(summaries[dataset], modes)
+        report.print_table(summaries[dataset], modes)
         _write(args, summaries, modes, selections)  # after each dataset: a long run keeps what it measured
     bench.close()
     return 0
@@ -262,23 +195,26 @@ class _Bench:
         from cluster.cache.local import LocalCacheClient
         from cluster.config import cache_dir, load_config
         from cluster.namespace import namespace_for
+        from cluster.vllm.worker_source import build_worker_source
         from cluster.workloads.model import resolve_model
 
         self.torch, self.args, self.check_layers = torch, args, check_layers
+        self.device = torch.device(args.device)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
         config = load_config(environ=dict(os.environ))
         self.path = resolve_model(args.model, cache_dir(config))
         self.separator = args.separator or config.blend.blend_separator
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.adapter = HFModelAdapter.from_pretrained(self.path, dtype=dtype)
-        self.model = self.adapter.model
+        self.model = self.adapter.model.to(self.device)
         self.namespace = namespace_for(self.path, args.dtype).digest()
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.eos_ids = {i for i in (tokenizer.eos_token_id, self.im_end) if i is not None}
         self._tmp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
         self.tier, self.tiers_used = _make_tier(self._tmp.name)
-        self.client = LocalCacheClient(self.tier)
-        self.engine = BlendEngine(self.adapter, self.client)
+        self.client = LocalCacheClient(self.tier, device=self.device)
+        self.source = build_worker_source(self.client, self.device, self.adapter.spec.num_layers)
+        self.engine = BlendEngine(self.adapter, self.source)
         self.config = config.blend
 
     def load(self, dataset: str) -> list:
@@ -288,6 +224,7 @@ class _Bench:
         return load_examples(resolve_dataset(dataset), limit=self.args.num_examples)
 
     def close(self) -> None:
+        self.source.close()
         _close(self.tier)
         self._tmp.cleanup()
 
@@ -302,11 +239,16 @@ class _Bench:
         cfg = dataclasses.replace(self.config, blend_separator=self.separator, check_layers=self.check_layers,
                                   recompute_ratios=(ratio,), recompute_thresholds=(), min_tokens=0,
                                   selection=selection, probe_layers=probe, sink_tokens=sinks)
-        return make_plan(ids, spans, self.namespace, self.client, cfg, query_to_engine=True)
+        return make_plan(ids, spans, self.namespace, self.source, cfg, query_to_engine=True)
+
+    def sync(self) -> None:
+        """Wait for the device (a no-op on the CPU): timings end when the work has."""
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
 
     def full_forward(self, ids):
         with self.torch.no_grad():
-            out = self.model(self.torch.tensor([ids]), use_cache=True)
+            out = self.model(self.torch.tensor([ids], device=self.device), use_cache=True)
         return out
 
     def store_passages(self, passages: list[str]) -> None:
@@ -334,22 +276,24 @@ class _Bench:
         from cluster.workloads.qa import max_f1
 
         torch, model, tokenizer = self.torch, self.model, self.tokenizer
+        self.sync()
         t0 = time.perf_counter()
         out = self.full_forward(ids)
         full_logits = out.logits[0, -1].float()
+        self.sync()
         ttft_full = time.perf_counter() - t0
         cache = out.past_key_values
         full_kv = [torch.stack((cache.layers[i].keys[0].transpose(0, 1), cache.layers[i].values[0].transpose(0, 1)))
                    for i in range(self.adapter.spec.num_layers)]
         del out
-        full_answer = _decode(model, full_kv, full_logits, self.args.max_new_tokens, self.eos_ids, torch)
+        full_answer = report.decode_greedy(model, full_kv, full_logits, self.args.max_new_tokens, self.eos_ids, torch)
         full_text = tokenizer.decode(full_answer, skip_special_tokens=True).strip()
         gold = chunk_token_ids(tokenizer, ex.answers[0]) + [self.im_end] if ex.answers else []
         row = {"id": ex.id, "num_tokens": len(ids), "full": {
             "ttft_s": ttft_full, "probe_share": 0.0, "answer": full_text, "f1": max_f1(full_text, ex.answers),
             "agreement": 1.0, "first_token_match": 1.0, "kl_first": 0.0,
-            "nll_self": _nll(model, full_kv, full_logits, full_answer, torch),
-            "nll_gold": _nll(model, full_kv, full_logits, gold, torch),
+            "nll_self": report.answer_nll(model, full_kv, full_logits, full_answer, torch),
+            "nll_gold": report.answer_nll(model, full_kv, full_logits, gold, torch),
             "recomputed_tokens": len(ids), "reused_tokens": 0}}
         return row, _Full(full_answer, full_text, torch.softmax(full_logits, -1), gold)
 
@@ -358,21 +302,23 @@ class _Bench:
         from cluster.workloads.qa import max_f1, token_f1
 
         torch, model = self.torch, self.model
+        self.sync()
         t0 = time.perf_counter()
         plan = self.plan_for(ids, spans, mode.ratio, mode.selection)
         res = self.engine.blend(plan)
+        self.sync()
         ttft = time.perf_counter() - t0
-        answer = _decode(model, res.kv, res.logits, self.args.max_new_tokens, self.eos_ids, torch)
+        answer = report.decode_greedy(model, res.kv, res.logits, self.args.max_new_tokens, self.eos_ids, torch)
         text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
         p_full = full.p_full
-        log_p_blend = torch.log_softmax(res.logits, -1)
+        log_p_blend = torch.log_softmax(res.logits.float(), -1)
         return {
             "ttft_s": ttft, "probe_share": res.counters.probe_s / ttft, "answer": text,
             "f1": max_f1(text, ex.answers), "agreement": token_f1(text, full.text),
             "first_token_match": float(answer[0] == full.answer[0]),
             "kl_first": float((p_full * (torch.log(p_full.clamp_min(1e-30)) - log_p_blend)).sum()),
-            "nll_self": _nll(model, res.kv, res.logits, full.answer, torch),
-            "nll_gold": _nll(model, res.kv, res.logits, full.gold, torch),
+            "nll_self": report.answer_nll(model, res.kv, res.logits, full.answer, torch),
+            "nll_gold": report.answer_nll(model, res.kv, res.logits, full.gold, torch),
             "recomputed_tokens": int(res.recompute_idx.numel()),
             "reused_tokens": res.counters.reused_tokens,
             "selection": res.counters.selection,
@@ -383,10 +329,10 @@ class _Bench:
 def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[dict], modes: list[_Mode],
              check_layers: tuple[int, ...]) -> dict:
     """One dataset's summary (per mode, see the module docstring), its meta and its rows."""
-    summary = _summarize(rows, [m.name for m in modes])
+    summary = report.summarize(rows, [m.name for m in modes])
     summary["meta"] = {
         "dataset": dataset, "num_examples": len(rows), "model": bench.path, "dtype": args.dtype,
-        "threads": bench.torch.get_num_threads(), "check_layers": list(check_layers),
+        "threads": bench.torch.get_num_threads(), "device": str(bench.device), "check_layers": list(check_layers),
         "separator": bench.separator, "probe_layers": args.probe_layers or list(bench.config.probe_layers),
         "sink_tokens": bench.config.sink_tokens if args.sink_tokens is None else args.sink_tokens,
         "modes": {m.name: {"selection": m.selection, "ratio": m.ratio} for m in modes},
@@ -395,7 +341,7 @@ def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[d
         "prompt_format": PREFIX + " ⟨sep⟩ passage ... ⟨sep⟩ " + QUERY,
         "f1_note": "gold F1 of SmolLM2-135M is noise; fidelity to full prefill (agreement, "
                    "first_token_match, kl_first, gap_recovered) is the measure",
-        "client_stats": _jsonable(bench.client.stats())}
+        "client_stats": report.jsonable(bench.client.stats())}
     summary["examples"] = rows
     return summary
 
@@ -406,8 +352,24 @@ def _write(args: argparse.Namespace, summaries: dict, modes: list[_Mode], select
     with open(args.json, "w") as fh:
         json.dump({"datasets": summaries}, fh, indent=1)
     png = os.path.splitext(args.json)[0] + ".png"
-    _plot(summaries, modes, selections, png)
+    try:
+        report.plot(summaries, modes, selections, png)
+    except ImportError:  # e.g. the GPU machine: draw it elsewhere with --plot
+        print(f"wrote {args.json} (no matplotlib here: draw the PNG with --json {args.json} --plot PNG)")
+        return
     print(f"wrote {args.json} and {png}")
+
+
+def _replot(json_path: str, png: str) -> int:
+    """The PNG of an earlier run's JSON (its modes and selections from each dataset's meta)."""
+    with open(json_path) as fh:
+        summaries = json.load(fh)["datasets"]
+    meta = next(iter(summaries.values()))["meta"]["modes"]
+    modes = [_Mode(name, m["selection"], m["ratio"]) for name, m in meta.items()]
+    selections = list(dict.fromkeys(m.selection for m in modes if m.name not in ("reuse", "recompute_all")))
+    report.plot(summaries, modes, selections, png)
+    print(f"wrote {png}")
+    return 0
 
 
 def _make_tier(path: str):
@@ -431,69 +393,3 @@ def _close(tier) -> None:
     if close is not None:
         close()
 
-
-def _jsonable(obj):
-    return json.loads(json.dumps(obj, default=str))
-
-
-def _summarize(rows: list[dict], names: list[str]) -> dict:
-    modes = ["full"] + names
-    keys = ("f1", "agreement", "first_token_match", "kl_first", "nll_self", "nll_gold",
-            "recomputed_tokens", "reused_tokens")
-    full_ttft = statistics.median(r["full"]["ttft_s"] for r in rows)
-    out: dict = {}
-    for m in modes:
-        vals = [r[m] for r in rows]
-        s = {"ttft_s": statistics.median(v["ttft_s"] for v in vals)}
-        s["ttft_ratio"] = s["ttft_s"] / full_ttft
-        s["ttft_ratio_iqr"] = _quartiles([v["ttft_s"] / r["full"]["ttft_s"] for v, r in zip(vals, rows, strict=True)])
-        s["probe_share"] = statistics.median(v["probe_share"] for v in vals)
-        for k in keys:
-            xs = [v[k] for v in vals if v[k] == v[k]]  # drop NaN
-            s[k] = statistics.fmean(xs) if xs else float("nan")
-        s["agreement_ci90"] = _bootstrap([v["agreement"] for v in vals])
-        out[m] = s
-    zero = out.get("reuse")
-    for m in modes:
-        if zero is None:
-            out[m]["gap_recovered"] = None
-            continue
-        gap = zero["nll_self"] - out["full"]["nll_self"]
-        out[m]["gap_recovered"] = (zero["nll_self"] - out[m]["nll_self"]) / gap if gap else None
-    return out
-
-
-def _quartiles(xs: list[float]) -> list[float]:
-    """``[q1, q3]`` of the per-example values (the spread behind a median)."""
-    if len(xs) < 2:
-        return [xs[0], xs[0]] if xs else [float("nan")] * 2
-    q = statistics.quantiles(xs, n=4)
-    return [q[0], q[2]]
-
-
-def _print(summary: dict, modes: list[_Mode]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    meta = summary["meta"]
-    table = Table(title=f"kvblend bench blend: {meta['dataset']}, N={meta['num_examples']}, "
-                        f"{meta['mean_prompt_tokens']:.0f} prompt tokens (fidelity to full prefill)")
-    cols = ("ttft_s", "ttft_ratio", "probe_share", "agreement", "first_token_match", "kl_first", "nll_self",
-            "gap_recovered", "recomputed_tokens", "reused_tokens")
-    table.add_column("mode")
-    for c in cols:
-        table.add_column(c, justify="right")
-    for m in ["full"] + [m.name for m in modes]:
-        s = summary[m]
-        cells = []
-        for c in cols:
-            v = s[c]
-            if v is None:
-                cells.append("-")
-            elif c == "agreement":
-                lo, hi = s["agreement_ci90"]
-                cells.append(f"{v:.3f} ({lo:.2f}-{hi:.2f})")
-            else:
-                cells.append(f"{v:.3f}" if c not in ("recomputed_tokens", "reused_tokens") else f"{v:.0f}")
-        table.add_row(m, *cells)
-    Console().print(table)

@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per cached chunk (default 512)")
     p.add_argument("--ratios", default="0.05,0.15,0.30", help="recompute ratios (default 0.05,0.15,0.30)")
     p.add_argument("--check-layer", type=int, default=1, help="check layer (default 1)")
+    p.add_argument("--selection", default="query_attention,k_deviation",
+                   help="token selections, comma-separated: the first is timed from every tier, the others "
+                        "from the gpu and hot host tiers beside it (default query_attention,k_deviation)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per cell (median; default 7)")
     p.add_argument("--attention", choices=("ops", "engine"), default="ops",
                    help="ops: blend.ops.causal_attention in the engine (default); "
@@ -100,6 +103,15 @@ def _floats(text: str) -> list[float]:
     return out
 
 
+def _selections(text: str) -> list[str]:
+    from blend.config import SELECTIONS
+
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in SELECTIONS for x in out):
+        raise ValueError(f"--selection {text!r}: choose from {', '.join(SELECTIONS)}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure every ``--lengths`` prompt (one child process each), write the JSON, print the table."""
     if args.plot:
@@ -107,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     lengths = _ints(args.lengths)
     args.ratios = _floats(args.ratios) if isinstance(args.ratios, str) else args.ratios
+    args.selection = _selections(args.selection) if isinstance(args.selection, str) else args.selection
     if not lengths or min(lengths) < args.chunk_tokens // 2 + PREFIX_TOKENS + QUERY_TOKENS:
         raise ValueError(f"--lengths {lengths}: each must hold at least one {args.chunk_tokens}-token chunk")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -133,6 +146,7 @@ def _in_process(args: argparse.Namespace, lengths: list[int]) -> dict:
         profile = bench.profile(args.profile_length, args.json + ".profile.txt")
     out = {"device": bench.device_name, "torch": torch.__version__, "model": bench.model_desc,
            "attention": args.attention, "ratios": args.ratios, "check_layer": args.check_layer,
+           "selections": args.selection,
            "chunk_tokens": args.chunk_tokens, "repeats": args.repeats, "page_cache": bench.page_cache,
            "build_s": bench.build_s, "source": "cluster.vllm.worker_source.build_worker_source over "
            "cluster.cache.local.LocalCacheClient", "results": results}
@@ -167,7 +181,8 @@ def _children(args: argparse.Namespace, lengths: list[int]) -> dict:
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
     argv = ["--chunk-tokens", str(args.chunk_tokens), "--ratios", ",".join(map(str, args.ratios)),
-            "--check-layer", str(args.check_layer), "--repeats", str(args.repeats),
+            "--check-layer", str(args.check_layer), "--selection", ",".join(args.selection),
+            "--repeats", str(args.repeats),
             "--attention", args.attention, "--model-impl", args.model_impl, "--compile", args.compile,
             "--page-cache", args.page_cache]
     for flag, value in (("--engine-lengths", args.engine_lengths), ("--profile-length", args.profile_length),
@@ -187,6 +202,9 @@ def _print_table(results: dict) -> None:
             spread = "  ".join(f"{t}: {cell[f'blend_{t}_min_s']:.4f}-{cell[f'blend_{t}_max_s']:.4f}"
                                for t in ("gpu", "host", "host_cold", "disk"))
             print(f"{'':>6}  {'':>5}  min-max s  full: {r['full_min_s']:.4f}-{r['full_max_s']:.4f}  {spread}")
+            for sel, other in [(cell.get("selection", ""), cell)] + list(cell.get("selections", {}).items()):
+                print(f"{'':>6}  {'':>5}  {sel:>17}  gpu {other['blend_gpu_s']:.4f} s ({other['ratio_gpu']:.3f} of full)  "
+                      f"host {other['blend_host_s']:.4f} s ({other['ratio_host']:.3f})  probe {other['probe_s']:.4f} s")
 
 
 def plot(json_path: str, png_path: str, ratio: str = "0.15") -> None:

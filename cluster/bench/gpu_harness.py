@@ -112,6 +112,10 @@ class GpuBench:
         self.model_desc["check_vs_hf_forward"] = self.model_check
         self.BlendEngine = BlendEngine
         self.ratios = list(args.ratios)
+        from blend.config import BlendConfig
+
+        self.selections = list(args.selection)
+        self.sink_tokens = BlendConfig().sink_tokens
         self._set_attention(args.attention)
         self._build_chunks(max(lengths))
 
@@ -164,7 +168,7 @@ class GpuBench:
                  self.build_s["chunks"], kv_bytes / 1e9)
         self.page_cache = "not dropped (no disk run yet)"
 
-    def _plan(self, length: int, ratio: float):
+    def _plan(self, length: int, ratio: float, selection: str = ""):
         from blend.plan import CHUNK, PREFIX, QUERY, SEPARATOR, BlendPlan, Segment
 
         n = self.args.chunk_tokens
@@ -182,7 +186,8 @@ class GpuBench:
         segments.append(Segment(QUERY, len(ids), len(ids) + QUERY_TOKENS))
         ids.extend(self.query_ids)
         return BlendPlan(tuple(ids), tuple(segments), check_layers=(self.args.check_layer,),
-                         recompute_ratios=(ratio,), blend_end=len(ids)), num_chunks
+                         recompute_ratios=(ratio,), blend_end=len(ids),
+                         selection=selection or self.selections[0], sink_tokens=self.sink_tokens), num_chunks
 
     # ------------------------------------------------------------------ timing
     def _sync(self) -> None:
@@ -266,6 +271,10 @@ class GpuBench:
                 cell[f"blend_{tier}_s"] = t["median"]
                 cell[f"blend_{tier}_min_s"], cell[f"blend_{tier}_max_s"] = t["min"], t["max"]
                 cell[f"load_wait_{tier}_s"] = results[tier].counters.load_wait_s
+            cell["selection"] = self.selections[0]
+            cell["probe_s"] = results["gpu"].counters.probe_s
+            cell["selections"] = {sel: self._measure_selection(length, ratio, sel, num_chunks, full["median"])
+                                  for sel in self.selections[1:]}
             cell["pinned_chunks"] = pinned.stats()["num_chunks"] if pinned is not None else 0
             disk = self.sources["disk"].reader  # a staging source on CUDA, the client elsewhere
             cell["disk_read_counters"] = (disk.read_counters.snapshot() if hasattr(disk, "read_counters")
@@ -298,6 +307,21 @@ class GpuBench:
                     self._set_attention(self.args.attention)
             row["by_ratio"][str(ratio)] = cell
         return row
+
+    def _measure_selection(self, length: int, ratio: float, selection: str, num_chunks: int,
+                           full_s: float) -> dict:
+        """Another selection at the same length and ratio, side by side with the first: the
+        gpu-tier and hot host-tier blends (the host chunks are pinned by the first
+        selection's runs), medians of ``--repeats`` with min and max."""
+        plan, _ = self._plan(length, ratio, selection)
+        out: dict = {"selection": selection}
+        for tier in ("gpu", "host"):
+            t, res = self._timed(self._blend_fn(plan, tier, num_chunks), self.args.repeats)
+            out.update({f"blend_{tier}_s": t["median"], f"blend_{tier}_min_s": t["min"],
+                        f"blend_{tier}_max_s": t["max"], f"ratio_{tier}": t["median"] / full_s})
+        out.update(probe_s=res.counters.probe_s, selected_tokens=res.counters.selected_tokens,
+                   recomputed_tokens_last_layer=res.counters.recomputed_tokens_per_layer[-1])
+        return out
 
     def _disk_raw_gbps(self, num_chunks: int) -> float:
         """GB/s of reading the chunk files whole (8 threads, page cache dropped as for the

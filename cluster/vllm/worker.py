@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from blend.engine import QUERY_SELECTIONS
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
 from cluster.vllm.events import EventLog, WarnOnce
@@ -238,7 +239,7 @@ class KVBlendWorker:
         self._counters.bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,
                             reused_tokens=c.reused_tokens, selected_tokens=c.selected_tokens,
                             computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s,
-                            query_selections=int(c.selection == "query_attention" and c.full_prefill_reason is None),
+                            query_selections=int(c.selection in QUERY_SELECTIONS and c.full_prefill_reason is None),
                             selection_fallbacks=int(c.selection_fallback is not None), probe_s=c.probe_s)
         if c.full_prefill_reason is not None:
             self._counters.bump(fallbacks=1)

@@ -192,3 +192,50 @@ def test_prepared_rows_are_reused_and_checked(monkeypatch):
         ops.prepare_rows(pos.float(), 500)
 
 
+
+
+def test_shape_buckets_bound_the_compiled_shapes():
+    """FlexAttention compiles once per (rows, keys) shape: buckets waste at most half and
+    give about two shapes per doubling, so 1..128K tokens fit in a few dozen shapes."""
+    buckets = {ops.shape_bucket(n) for n in range(1, 131073)}
+    assert len(buckets) <= 2 * 11
+    for n in (1, 127, 128, 129, 193, 1000, 6000, 8257, 65537):
+        b = ops.shape_bucket(n)
+        assert n <= b and b % ops.FLEX_BLOCK == 0 and b <= max(1.5 * n, n + ops.FLEX_BLOCK)
+
+
+@pytest.mark.parametrize("num_q,num_kv", [(1, 130), (129, 1000), (300, 700), (700, 700)])
+def test_bucketed_rows_and_keys_attend_like_the_reference(monkeypatch, num_q, num_kv):
+    """Padded query rows and padded keys (to their shape buckets) change nothing: with and
+    without a prepared RowMask, with and without explicit key positions."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
+    g = torch.Generator().manual_seed(num_q + num_kv)
+    q = torch.randn(num_q, 4, 16, generator=g)
+    k, v = torch.randn(num_kv, 2, 16, generator=g), torch.randn(num_kv, 2, 16, generator=g)
+    pos = torch.randperm(num_kv, generator=g)[:num_q].sort().values
+    rows = ops.prepare_rows(pos, num_kv)
+    assert rows.kv_len == ops.shape_bucket(num_kv) and rows.q_pos_padded.numel() == ops.shape_bucket(num_q)
+    want = dense_attention_reference(q, k, v, pos, 0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for got in (ops._flex_rows(q, pos, k, v, None, 0.25), ops._flex_rows(q, pos, k, v, None, 0.25, rows),
+                    ops._flex_rows(q, pos, k, v, torch.arange(num_kv), 0.25)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiling_flex_raises_dynamo_recompile_limit(monkeypatch):
+    """Past dynamo's default of 8 shapes flex_attention would run unfused: the compiled
+    wrapper lifts the limit to FLEX_RECOMPILE_LIMIT (never lowers a larger one)."""
+    import torch._dynamo
+
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(torch._dynamo.config, name, 8)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    ops._compiled_flex.cache_clear()
+    try:
+        ops._compiled_flex()
+        assert getattr(torch._dynamo.config, name) == ops.FLEX_RECOMPILE_LIMIT
+    finally:
+        ops._compiled_flex.cache_clear()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from blend.config import SELECTIONS
 from blend.query_selection import (
     default_probe_layers,
     probe_layers_for,
@@ -15,9 +16,6 @@ from blend.query_selection import (
 )
 from blend.selection import num_to_select
 from tests.factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks
-
-SELECTIONS = ["k_deviation", "v_deviation", "kv_deviation", "query_attention"]
-
 
 def _setup(make_setup, model_type="llama", num_chunks=3, chunk_len=24, **kw):
     engine, client = make_setup(model_type, **kw)
@@ -115,6 +113,33 @@ def test_budget_holds_in_every_mode(make_setup, selection, ratio):
     if selection == "query_attention":  # every layer computes the same rows, layer 0 included
         assert c.recomputed_tokens_per_layer == [c.computed_tokens + budget] * engine.spec.num_layers
         assert (c.probe_s > 0) == (budget > 0)
+    if selection == "query_k_deviation":  # every row up to the check layer (1), the budget above
+        num_layers = engine.spec.num_layers
+        assert c.recomputed_tokens_per_layer == [len(ids)] * 2 + [c.computed_tokens + budget] * (num_layers - 2)
+        assert (c.probe_s > 0) == (num_to_select(c.reused_tokens, ratio / 2) > 0)
+
+
+@pytest.mark.parametrize("ratio", [0.15, 0.3])
+def test_query_k_deviation_is_the_probe_half_and_the_top_k_deviation(make_setup, ratio):
+    """``query_k_deviation`` at ratio r recomputes every row ``query_attention`` picks at r/2
+    (same probe, same sinks) and fills the rest of r's budget with the highest K deviations:
+    those are among the rows ``k_deviation`` picks at r (the top of the rest is inside the
+    top of all)."""
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+
+    def rows(selection, r):
+        res = engine.blend(plan_for(ids, spans, client, ratio=r, selection=selection, sink_tokens=2))
+        assert res.counters.selection == selection and res.counters.full_prefill_reason is None
+        return set(res.recompute_idx.tolist()), res
+
+    union, res = rows("query_k_deviation", ratio)
+    probe, _ = rows("query_attention", ratio / 2)
+    by_k, _ = rows("k_deviation", ratio)
+    assert probe < union
+    assert union - probe <= by_k
+    assert len(union) == len(by_k) == res.counters.computed_tokens + num_to_select(res.counters.reused_tokens, ratio)
+    assert union != by_k and union != probe | by_k  # a real mix, not either mode alone
 
 
 PASSAGES = [

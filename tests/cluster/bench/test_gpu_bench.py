@@ -45,3 +45,9 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
         assert cell["overlap"] == pytest.approx(cell["blend_host_s"] / cell["blend_gpu_s"])
         assert cell["selected_tokens"] == num_to_select(cell["reused_tokens"], float(ratio))
         assert cell["disk_read_counters"]["hits"] > 0
+        # Selections side by side (issue 17): the product's default first, K deviation beside it.
+        assert cell["selection"] == "query_attention" and list(cell["selections"]) == ["k_deviation"]
+        assert cell["probe_s"] > 0
+        other = cell["selections"]["k_deviation"]
+        assert other["probe_s"] == 0 and other["selected_tokens"] == cell["selected_tokens"]
+        assert other["ratio_host"] == pytest.approx(other["blend_host_s"] / row["full_s"])
