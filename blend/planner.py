@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def make_plan(token_ids: Sequence[int], spans: Sequence[tuple[str, int, int]], namespace_digest: str,
               source: KVSource | None, config: BlendConfig, *,
-              query_to_engine: bool = False) -> BlendPlan:
+              query_to_engine: bool = False, tenant: str = "") -> BlendPlan:
     """Plan one request.
 
     Args:
@@ -43,6 +43,7 @@ def make_plan(token_ids: Sequence[int], spans: Sequence[tuple[str, int, int]], n
         query_to_engine: True when the blend engine computes the whole prompt (benchmark,
             tests); False when the serving engine computes the query, so ``blend_end`` is the
             query's start (at most ``len(token_ids) - 1``: vLLM must compute >= 1 token).
+        tenant: the request's tenant (:func:`tiers.keys.segment_key`): its chunks are keyed apart.
 
     Returns:
         The plan. ``full_prefill_reason`` is set when blending is off, the prompt has no
@@ -57,7 +58,7 @@ def make_plan(token_ids: Sequence[int], spans: Sequence[tuple[str, int, int]], n
     if n == 0:
         raise ValueError("cannot plan an empty prompt")
     chunk_spans = [(s, e) for kind, s, e in spans if kind == CHUNK and e > s]
-    keys = [segment_key(namespace_digest, token_ids[s:e]) for s, e in chunk_spans]
+    keys = [segment_key(namespace_digest, token_ids[s:e], tenant) for s, e in chunk_spans]
     reason: str | None = None
     metas: list = [None] * len(keys)
     if not config.enable_blending:

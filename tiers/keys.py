@@ -118,31 +118,42 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return arr.astype("<i8", copy=False).tobytes()
 
 
-def segment_key(namespace: str, token_ids: Sequence[int]) -> ChunkKey:
+def _tenant_salt(tenant: str) -> bytes:
+    """The 16-byte BLAKE2b salt of a tenant: empty for the base model with no ``cache_salt``
+    (keys as before tenants existed), else a digest of the tenant string."""
+    return b"" if not tenant else hashlib.blake2b(tenant.encode(), digest_size=16, person=b"kvblend-ten").digest()
+
+
+def segment_key(namespace: str, token_ids: Sequence[int], tenant: str = "") -> ChunkKey:
     """Position-independent key of a blend segment (its token ids only).
+
+    ``tenant``: what besides the tokens changes the KV or who may read it (a LoRA adapter and
+    its weights, vLLM's ``cache_salt``, as the serving layer names them): requests of
+    different tenants never share a key. ``""``: the base model, unsalted.
 
     Raises:
         ValueError: empty ``token_ids``.
     """
     if len(token_ids) == 0:
         raise ValueError("a segment key needs at least one token")
-    h = hashlib.blake2b(_token_bytes(token_ids), digest_size=16, person=b"kvblend-seg")
+    h = hashlib.blake2b(_token_bytes(token_ids), digest_size=16, person=b"kvblend-seg", salt=_tenant_salt(tenant))
     return ChunkKey(namespace, SEGMENT, h.hexdigest())
 
 
-def prefix_keys(namespace: str, token_ids: Sequence[int], chunk_size: int) -> list[ChunkKey]:
+def prefix_keys(namespace: str, token_ids: Sequence[int], chunk_size: int, tenant: str = "") -> list[ChunkKey]:
     """Prefix-chained keys of the full ``chunk_size`` chunks of ``token_ids``.
 
     Key i covers tokens ``[0, (i+1)*chunk_size)``: it hashes chunk i's tokens and key i-1.
-    A trailing partial chunk gets no key.
+    A trailing partial chunk gets no key. ``tenant``: as :func:`segment_key`.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be positive")
     keys: list[ChunkKey] = []
     parent = b""
+    salt = _tenant_salt(tenant)
     for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
         h = hashlib.blake2b(parent + _token_bytes(token_ids[start:start + chunk_size]),
-                            digest_size=16, person=b"kvblend-pre")
+                            digest_size=16, person=b"kvblend-pre", salt=salt)
         parent = h.digest()
         keys.append(ChunkKey(namespace, PREFIX, h.hexdigest()))
     return keys

@@ -175,6 +175,11 @@ class KVBlendConnector(KVConnectorBase_V1):
         if not self.enabled:
             log.warning("kvblend: kv_cache_dtype=%s is not supported (KV is stored in the model "
                         "dtype); the connector stays idle", cache_dtype)
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp_size > 1 and self.enabled:  # each stage holds some layers; chunks hold all of them
+            self.enabled = False
+            log.warning("kvblend: pipeline_parallel_size=%d is not supported (a chunk holds every "
+                        "layer); the connector stays idle", pp_size)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.namespace = namespace_for(self.model_path, self.kv_dtype, tp_rank=self._tp_rank(role),
                                        tp_size=self.tp_size)

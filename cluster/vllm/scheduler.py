@@ -42,6 +42,7 @@ from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
 from cluster.vllm.options import request_params
+from cluster.vllm.tenant import request_tenant
 from tiers.keys import ChunkKey, prefix_keys
 
 if TYPE_CHECKING:
@@ -184,17 +185,26 @@ class KVBlendScheduler:
         old = self._requests.get(rid)
         if old is not None and old.token_ids == token_ids:
             return old  # called again for the same request (side-effect free)
+        state = _ReqState(token_ids=token_ids)
+        tenant, uncacheable = request_tenant(request)
+        if uncacheable is not None:  # its KV depends on more than its token ids: never cached
+            self._warn(f"uncacheable:{uncacheable}", "kvblend: requests with %s are neither loaded nor "
+                       "stored (full prefill, counted as uncacheable_requests)", uncacheable)
+            self._counters.bump(requests=1, uncacheable_requests=1)
+            self._events.write("lookup", request_id=rid, path="none", num_tokens=len(token_ids),
+                               uncacheable=uncacheable)
+            self._requests[rid] = state
+            return state
         params = request_params(request, self._warn)
         store = bool(params.get("kvblend_store", True)) and self.config.cluster.store_kv
         load = bool(params.get("kvblend_load", True))
         blend_cfg = self._blend_config(params)
-        state = _ReqState(token_ids=token_ids)
         spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator) if token_ids else []
         has_chunks = any(kind == CHUNK for kind, _, _ in spans)
         if has_chunks and self.config.cluster.engine_type == "blend" and self.tp_size == 1:
-            self._plan_blend(rid, state, spans, blend_cfg, load=load, store=store)
+            self._plan_blend(rid, state, spans, blend_cfg, tenant, load=load, store=store)
         else:
-            self._plan_prefix(rid, state, load=load, store=store)
+            self._plan_prefix(rid, state, tenant, load=load, store=store)
         self._counters.bump(requests=1)
         self._requests[rid] = state
         return state
@@ -221,13 +231,15 @@ class KVBlendScheduler:
             blend_cfg = dataclasses.replace(blend_cfg, enable_blending=False)
         return blend_cfg
 
-    def _plan_blend(self, rid: str, state: _ReqState, spans, blend_cfg, *, load: bool, store: bool) -> None:
-        """Blend path: plan, claim ``[.., blend_end)`` when it blends, schedule missed chunk
-        segments (those ending before the last prompt token) for storing."""
+    def _plan_blend(self, rid: str, state: _ReqState, spans, blend_cfg, tenant: str, *, load: bool,
+                    store: bool) -> None:
+        """Blend path: plan (keys of the request's ``tenant``, :mod:`cluster.vllm.tenant`), claim
+        ``[.., blend_end)`` when it blends, schedule missed chunk segments (those ending before
+        the last prompt token) for storing."""
         token_ids = state.token_ids
         n = len(token_ids)
         path = "none"
-        plan = make_plan(token_ids, spans, self.namespace_digest, self.client, blend_cfg)
+        plan = make_plan(token_ids, spans, self.namespace_digest, self.client, blend_cfg, tenant=tenant)
         state.plan = plan
         if plan.blend and load:
             state.claim_end = plan.blend_end
@@ -243,14 +255,14 @@ class KVBlendScheduler:
                            full_prefill_reason=plan.full_prefill_reason,
                            num_store_segments=len(state.store_segments))
 
-    def _plan_prefix(self, rid: str, state: _ReqState, *, load: bool, store: bool) -> None:
+    def _plan_prefix(self, rid: str, state: _ReqState, tenant: str, *, load: bool, store: bool) -> None:
         """Prefix path: claim the leading cached chunks (whole chunks ending before the last
-        token), schedule the chunks after them for storing."""
+        token, keys of the request's ``tenant``), schedule the chunks after them for storing."""
         token_ids = state.token_ids
         n = len(token_ids)
         path = "none"
         chunk = self.config.tiers.chunk_size
-        keys = prefix_keys(self.namespace_digest, token_ids, chunk)
+        keys = prefix_keys(self.namespace_digest, token_ids, chunk, tenant)
         metas = self.client.lookup(keys) if keys else []
         hits = 0
         for meta in metas:
