@@ -50,6 +50,9 @@ class BlendConfig:
         (0, 4096))
     min_tokens: int = _f(
         256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))
+    load_timeout_s: float = _f(
+        2.0, "seconds the blend waits for a cached layer once it needs it; past that the request is "
+        "recomputed by full prefill (counted as a fallback)", (0.01, 3600.0))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -121,7 +121,8 @@ class BlendEngine:
             call :meth:`blend` with the same plan segments, hits and ratios. Reductions the
             model itself needs (row-parallel projections) are the model adapter's business.
             None: no tensor parallelism.
-        load_timeout_s: longest wait for one cached layer; past it the request is recomputed.
+        load_timeout_s: longest wait for one cached layer once the blend needs it; past it the
+            request is recomputed (``BlendConfig.load_timeout_s``, issue 20).
 
     Re-rotation of cached K uses the model's ``inv_freq`` ``[D/2]`` when it has one, else
     :func:`blend.rope.inv_freq_for` of its spec (what :meth:`BlendModel.rotate_k` uses).
@@ -132,7 +133,7 @@ class BlendEngine:
 
     def __init__(self, model: BlendModel, source: KVSource | None = None, *,
                  process_group: torch.distributed.ProcessGroup | None = None,
-                 load_timeout_s: float = 30.0) -> None:
+                 load_timeout_s: float = 2.0) -> None:
         self.model = model
         self.source = source
         self.spec = model.spec
@@ -315,12 +316,13 @@ class BlendEngine:
 
     def _layer_result(self, fut: Future | None, layer_idx: int) -> list[torch.Tensor | None] | None:
         """The layer a source's future holds, or None on any fault or after ``load_timeout_s``
-        (never raises)."""
+        (then the future is cancelled: the source stops on it; never raises)."""
         if fut is None:
             return None
         try:
             return fut.result(timeout=self.load_timeout_s)
         except Exception as e:  # a broken source is a miss, never a failed request
+            fut.cancel()
             log.warning("fetch of layer %d failed (%s: %s)", layer_idx, type(e).__name__, e)
             return None
 

@@ -107,7 +107,7 @@ class KVBlendWorker:
                     gpu_bytes=int(self.config.tiers.gpu_size_gib * 2**30),
                     policy=self.config.tiers.eviction_policy,
                     pinned_bytes=int(self.config.tiers.pinned_size_gib * 2**30))
-                self._engine = BlendEngine(adapter, self._source)
+                self._engine = BlendEngine(adapter, self._source, load_timeout_s=self.config.blend.load_timeout_s)
             return self._engine
 
     def _canonical_kv(self, ids: list[int]) -> torch.Tensor:

@@ -205,6 +205,32 @@ def test_unreadable_chunk_falls_back_to_full_prefill(make_setup):
     assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)
 
 
+def test_a_layer_never_delivered_is_full_prefill_after_load_timeout(make_setup):
+    """Issue 20: a cached layer that never arrives (a source whose futures never resolve) costs
+    at most ``load_timeout_s`` (``BlendConfig``'s default, 2 s, is the engine's), then the
+    request is full prefill; every pending read is cancelled."""
+    from concurrent.futures import Future
+
+    from blend.config import BlendConfig
+    from blend.engine import BlendEngine
+
+    engine, client, chunks = _setup(make_setup)
+    assert BlendEngine(engine.model).load_timeout_s == BlendConfig().load_timeout_s == 2.0
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    pending: list[Future] = []
+
+    def never(keys, layer_idxs):
+        pending.extend(Future() for _ in layer_idxs)
+        return pending[-len(layer_idxs):]
+
+    client.fetch_layers = never
+    res = BlendEngine(engine.model, client, load_timeout_s=0.05).blend(plan)
+    assert res.counters.full_prefill_reason is not None and res.counters.load_wait_s >= 0.05
+    assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)
+    assert pending and all(f.cancelled() for f in pending)
+
+
 def test_forced_recompute(make_setup):
     import dataclasses
 
