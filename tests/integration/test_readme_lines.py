@@ -33,8 +33,10 @@ def _env() -> dict:
     env = dict(os.environ)
     # tests/cluster/vllm's in-process engines set this in our environment; a user's shell has it unset.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # The README's lines run with nothing the README does not show (issue 21): its `vllm serve`
+    # sizes the KV cache itself (--gpu-memory-utilization), not through this variable.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
 
 
