@@ -15,12 +15,26 @@ from dataclasses import dataclass
 from tiers.config import _f, check_fields
 
 DEFAULT_SEPARATOR = "\n# #\n"
+#: Longest wait for one cached layer once the blend needs it (issue 20), seconds.
+DEFAULT_LOAD_TIMEOUT_S = 2.0
 
 #: How the reused tokens to recompute are chosen (:mod:`blend.query_selection` for the
 #: query-aware mode; the deviations are CacheBlend's, :mod:`blend.selection`).
 SELECTIONS = ("k_deviation", "v_deviation", "kv_deviation", "query_attention", "query_k_deviation")
 #: The selection LMCache's blend variables mean (CacheBlend's K deviation).
 LMCACHE_SELECTION = "k_deviation"
+
+
+def parse_selections(text: str) -> list[str]:
+    """Comma-separated selection names (a benchmark's ``--selection``), in order.
+
+    Raises:
+        ValueError: none given, or a name not in :data:`SELECTIONS` (the message lists them).
+    """
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in SELECTIONS for x in out):
+        raise ValueError(f"--selection={text!r}: choose from {', '.join(SELECTIONS)}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -51,7 +65,7 @@ class BlendConfig:
     min_tokens: int = _f(
         256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))
     load_timeout_s: float = _f(
-        2.0, "seconds the blend waits for a cached layer once it needs it; past that the request is "
+        DEFAULT_LOAD_TIMEOUT_S, "seconds the blend waits for a cached layer once it needs it; past that the request is "
         "recomputed by full prefill (counted as a fallback)", (0.01, 3600.0))
 
     def __post_init__(self) -> None:

@@ -58,6 +58,7 @@ import torch
 
 from blend import ops
 from blend import query_selection as qs
+from blend.config import DEFAULT_LOAD_TIMEOUT_S
 from blend.ops import causal_attention
 from blend.plan import CHUNK, BlendPlan
 from blend.protocols import BlendModel, KVSource
@@ -68,7 +69,7 @@ from blend.rows import RequestRows, check_layer_batch, place_cached, request_row
 log = logging.getLogger(__name__)
 
 #: The deviation each CacheBlend selection ranks reused rows by at a check layer.
-DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv", "query_k_deviation": "k"}
+DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv"}
 #: Selections that probe the query's attention before layer 0 (:mod:`blend.query_selection`).
 QUERY_SELECTIONS = ("query_attention", "query_k_deviation")
 
@@ -133,7 +134,7 @@ class BlendEngine:
 
     def __init__(self, model: BlendModel, source: KVSource | None = None, *,
                  process_group: torch.distributed.ProcessGroup | None = None,
-                 load_timeout_s: float = 2.0) -> None:
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> None:
         self.model = model
         self.source = source
         self.spec = model.spec
@@ -323,7 +324,9 @@ class BlendEngine:
             return fut.result(timeout=self.load_timeout_s)
         except Exception as e:  # a broken source is a miss, never a failed request
             fut.cancel()
-            log.warning("fetch of layer %d failed (%s: %s)", layer_idx, type(e).__name__, e)
+            why = (f"not delivered within load_timeout_s={self.load_timeout_s:g} s" if isinstance(e, TimeoutError)
+                   else f"{type(e).__name__}: {e}")
+            log.warning("fetch of layer %d failed (%s)", layer_idx, why)
             return None
 
     def _cached_layer(self, rows: RequestRows, pending: dict[int, Future], layer_idx: int,
@@ -387,9 +390,7 @@ class BlendEngine:
         if not rows.keys or rows.forced is not None:
             counters.selection = "forced" if rows.keys else ""
         else:
-            counters.selection = plan.selection if by_query else (
-                plan.selection if plan.selection in DEVIATIONS and plan.selection not in QUERY_SELECTIONS
-                else "k_deviation")
+            counters.selection = plan.selection if by_query or plan.selection in DEVIATIONS else "k_deviation"
         return bool(by_query)
 
     def _select_by_query(self, plan: BlendPlan, rows: RequestRows, pending: dict[int, Future],

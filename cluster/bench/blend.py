@@ -127,16 +127,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from blend.config import SELECTIONS
+    from blend.config import parse_selections
 
     ratios = _floats(args.ratios, "ratios")
     check_layers = tuple(int(x) for x in _floats(args.check_layers, "check-layers"))
     if any(not 0 <= r <= 1 for r in ratios):
         raise ValueError(f"--ratios={args.ratios!r}: each ratio must be in [0, 1]")
-    selections = [x.strip() for x in args.selection.split(",") if x.strip()]
-    bad = [x for x in selections if x not in SELECTIONS]
-    if bad or not selections:
-        raise ValueError(f"--selection={args.selection!r}: choose from {', '.join(SELECTIONS)}")
+    selections = parse_selections(args.selection)
     if args.num_examples <= 0:
         raise ValueError(f"--num-examples={args.num_examples} must be positive")
     if args.threads:

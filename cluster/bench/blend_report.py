@@ -12,14 +12,20 @@ import json
 import statistics
 
 
-def decode_greedy(model, kv, first_logits, max_new_tokens: int, eos_ids, torch):
-    """Greedy answer from a prompt's KV (list of [2, T, H, D], on the model's device) and its
-    last logits [V]: token ids, at most ``max_new_tokens``, ending at an ``eos_ids`` token."""
+def _hf_cache(kv):
+    """A transformers ``DynamicCache`` holding a prompt's KV (list of ``[2, T, H, D]`` layers)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     for i, layer in enumerate(kv):
         cache.update(layer[0].transpose(0, 1)[None], layer[1].transpose(0, 1)[None], i)
+    return cache
+
+
+def decode_greedy(model, kv, first_logits, max_new_tokens: int, eos_ids, torch):
+    """Greedy answer from a prompt's KV (list of [2, T, H, D], on the model's device) and its
+    last logits [V]: token ids, at most ``max_new_tokens``, ending at an ``eos_ids`` token."""
+    cache = _hf_cache(kv)
     num_tokens = kv[0].shape[1]
     out = [int(first_logits.argmax())]
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
@@ -33,15 +39,11 @@ def decode_greedy(model, kv, first_logits, max_new_tokens: int, eos_ids, torch):
 
 def answer_nll(model, kv, first_logits, target, torch) -> float:
     """Mean per-token NLL of ``target`` ids teacher-forced after the prompt's KV."""
-    from transformers import DynamicCache
-
     if not target:
         return float("nan")
     logp = [torch.log_softmax(first_logits.float(), -1)[target[0]]]
     if len(target) > 1:
-        cache = DynamicCache()
-        for i, layer in enumerate(kv):
-            cache.update(layer[0].transpose(0, 1)[None], layer[1].transpose(0, 1)[None], i)
+        cache = _hf_cache(kv)
         num_tokens = kv[0].shape[1]
         with torch.no_grad():
             dev = kv[0].device

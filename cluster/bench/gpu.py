@@ -103,15 +103,6 @@ def _floats(text: str) -> list[float]:
     return out
 
 
-def _selections(text: str) -> list[str]:
-    from blend.config import SELECTIONS
-
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    if not out or any(x not in SELECTIONS for x in out):
-        raise ValueError(f"--selection {text!r}: choose from {', '.join(SELECTIONS)}")
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """Measure every ``--lengths`` prompt (one child process each), write the JSON, print the table."""
     if args.plot:
@@ -119,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     lengths = _ints(args.lengths)
     args.ratios = _floats(args.ratios) if isinstance(args.ratios, str) else args.ratios
-    args.selection = _selections(args.selection) if isinstance(args.selection, str) else args.selection
+    if isinstance(args.selection, str):
+        from blend.config import parse_selections
+
+        args.selection = parse_selections(args.selection)
     if not lengths or min(lengths) < args.chunk_tokens // 2 + PREFIX_TOKENS + QUERY_TOKENS:
         raise ValueError(f"--lengths {lengths}: each must hold at least one {args.chunk_tokens}-token chunk")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

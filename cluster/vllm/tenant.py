@@ -24,13 +24,11 @@ request (the fingerprint of an adapter is hashed on first use).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-import threading
 from typing import Any
 
-_FINGERPRINTS: dict[tuple[str, int, int], str] = {}
-_LOCK = threading.Lock()
 #: Largest adapter folder hashed (bytes); a larger one is keyed by its files' sizes and mtimes.
 MAX_HASHED_BYTES = 4 << 30
 
@@ -49,9 +47,8 @@ def request_tenant(request: Any) -> tuple[str, str | None]:
     parts = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        name = str(getattr(lora, "lora_name", "") or getattr(lora, "name", ""))
-        path = str(getattr(lora, "lora_path", "") or getattr(lora, "path", "") or "")
-        fingerprint = adapter_fingerprint(path)
+        name = str(lora.lora_name)
+        fingerprint = adapter_fingerprint(str(getattr(lora, "lora_path", "") or ""))
         if fingerprint.startswith("unreadable"):
             return "", "an unreadable LoRA adapter"
         parts.append(f"lora={len(name)}:{name}:{fingerprint}")
@@ -77,26 +74,20 @@ def adapter_fingerprint(path: str) -> str:
             st = os.stat(f)
             total += st.st_size
             h.update(os.path.relpath(f, path).encode() + b"\0")
-            h.update(_file_digest(f, st, hashed=total <= MAX_HASHED_BYTES).encode())
+            h.update(_file_digest(f, st.st_size, st.st_mtime_ns, total <= MAX_HASHED_BYTES).encode())
         except OSError as e:
             return f"unreadable:{type(e).__name__}"
     return h.hexdigest()
 
 
-def _file_digest(path: str, st: os.stat_result, hashed: bool) -> str:
-    ident = (path, st.st_size, st.st_mtime_ns)
-    with _LOCK:
-        got = _FINGERPRINTS.get(ident)
-    if got is not None:
-        return got
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path: str, size: int, mtime_ns: int, hashed: bool) -> str:
+    """One adapter file's digest, computed once per identity (path, size, mtime; the cache is
+    bounded); a file past :data:`MAX_HASHED_BYTES` is named by its size and mtime."""
     if not hashed:
-        got = f"size={st.st_size}:mtime={st.st_mtime_ns}"
-    else:
-        h = hashlib.blake2b(digest_size=16)
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        got = h.hexdigest()
-    with _LOCK:
-        _FINGERPRINTS[ident] = got
-    return got
+        return f"size={size}:mtime={mtime_ns}"
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -20,6 +20,19 @@ _WORDS = ("river mountain council harbor festival engineer library painter treat
           "desert").split()
 
 
+def stand_in_vllm_config(model_dir, *, extra: dict | None = None, cache_dtype: str = "auto",
+                         tp: int = 1, pp: int = 1):
+    """What :class:`cluster.vllm.connector.KVBlendConnector`'s constructor reads of a
+    ``VllmConfig``, for building a connector without an engine (``model_dir`` holds a
+    ``config.json``)."""
+    from types import SimpleNamespace as NS
+
+    return NS(kv_transfer_config=NS(kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy="recompute"),
+              model_config=NS(model=str(model_dir), dtype="float32", tokenizer=None),
+              cache_config=NS(cache_dtype=cache_dtype, block_size=16),
+              parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+
+
 def passage(seed: int, num_sentences: int = 6) -> str:
     """A deterministic, distinct English-like passage."""
     rnd = random.Random(seed)

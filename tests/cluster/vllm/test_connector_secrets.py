@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace as NS
 
 import pytest
+
+from tests.cluster.vllm.helpers import stand_in_vllm_config
 
 PW = "hunter2pw"
 URL = f"redis://:{PW}@redis:6379/0"
@@ -32,11 +33,7 @@ def test_connector_config_log_masks_the_password(where, model_dir, monkeypatch, 
     extra = {"redis_url": URL} if where == "extra_config" else {}
     if where == "env":
         monkeypatch.setenv("KVBLEND_REDIS_URL", URL)
-    vllm_config = NS(
-        kv_transfer_config=NS(kv_connector_extra_config=extra, kv_load_failure_policy="recompute"),
-        model_config=NS(model=str(model_dir), dtype="float32", tokenizer=None),
-        cache_config=NS(cache_dtype="fp8", block_size=16),
-        parallel_config=NS(tensor_parallel_size=1))
+    vllm_config = stand_in_vllm_config(model_dir, extra=extra, cache_dtype="fp8")
     with caplog.at_level(logging.INFO):
         connector = KVBlendConnector(vllm_config, KVConnectorRole.SCHEDULER)
     assert not connector.enabled and connector.config.tiers.redis_url == URL

@@ -22,15 +22,11 @@ from cluster.vllm.events import EventLog, read_events
 from cluster.vllm.metrics import Counters
 from cluster.vllm.scheduler import KVBlendScheduler
 from cluster.vllm.tenant import adapter_fingerprint, request_tenant
+from tests.cluster.vllm.helpers import passage, stand_in_vllm_config
 from tests.factories import NAMESPACE, make_kv
 from tiers.keys import prefix_keys, segment_key
 
-PASSAGES = [
-    "The river council of Arden met every spring near the old harbor to settle the rights of the "
-    "fishermen, and its records fill eleven volumes kept in the town library.",
-    "Lighthouse keepers on Varo island logged each ship that passed the strait; the logbooks name "
-    "four hundred vessels between 1810 and 1850, most of them merchant brigs.",
-]
+PASSAGES = [passage(71, 3), passage(72, 3)]
 
 
 @dataclass
@@ -165,11 +161,7 @@ def test_pipeline_parallelism_leaves_the_connector_idle(tmp_path, monkeypatch, c
         monkeypatch.delenv(var, raising=False)
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 2}))
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, kv_load_failure_policy="recompute"),
-        model_config=SimpleNamespace(model=str(tmp_path), dtype="float32", tokenizer=None),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2))
+    vllm_config = stand_in_vllm_config(tmp_path, pp=2)
     with caplog.at_level(logging.WARNING):
         connector = KVBlendConnector(vllm_config, KVConnectorRole.SCHEDULER)
     assert not connector.enabled and connector.client is None
