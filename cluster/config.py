@@ -33,7 +33,7 @@ log = logging.getLogger("kvblend.config")
 @dataclass(frozen=True)
 class ClusterConfig:
     model: str = _f(
-        "smollm2", "model served: 'smollm2' (the bundled SmolLM2-135M-Instruct) or a path to a HF model folder")
+        "smollm2", "model served: 'smollm2' (the bundled SmolLM2-135M-Instruct), a path to a HF model folder, or a Hugging Face id found in the local HF cache")
     cache_dir: str = _f(
         "", "directory for the prepared model and the default disk tier ('' = ~/.cache/kvblend)")
     ray_address: str = _f(
@@ -50,6 +50,12 @@ class ClusterConfig:
     call_timeout_s: float = _f(
         2.0, "seconds a client waits for a shard call before counting a miss", (0.01, 3600.0))
     store_kv: bool = _f(True, "store the KV of segments not yet cached after a request")
+    ray_client: str = _f(
+        "agent", "how a vLLM connector reaches Ray: 'agent' (a child process is the Ray driver: vLLM outlives a lost Ray head) or 'driver' (in vLLM's process: one copy less, but Ray ends the process when the head is gone)",
+        choices=("agent", "driver"))
+    local_fallback: str = _f(
+        "disk", "cache a process uses while no shard is reachable: 'disk' (machine-local, disk_size_gib under disk_path), 'memory' (1 GiB in this process) or 'off' (misses only)",
+        choices=("disk", "memory", "off"))
     metrics: bool = _f(True, "export Prometheus metrics (Ray metrics in shards, vLLM /metrics in connectors)")
 
     def __post_init__(self) -> None:

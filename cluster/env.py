@@ -4,6 +4,8 @@ Registry:
   KVBLEND_CONFIG           YAML config file
   KVBLEND_CACHE_DIR        same as KVBLEND_CACHE_DIR field ``cache_dir``
   KVBLEND_<FIELD>          any config field by its upper-cased name, e.g. KVBLEND_RECOMPUTE_RATIOS
+  KVBLEND_NODE_NAME        a shard node's stable identity, naming its disk directories
+                           (read by the shard actor at start-up: cluster.cache.identity)
   LMCACHE_CONFIG_FILE      an LMCache YAML file (read through cluster.config.LMCACHE_KEYS)
   LMCACHE_<KEY>            LMCache's variables (LMCACHE_ENABLE_BLENDING, ...), same table
   RAY_ADDRESS              read by Ray itself when ray_address is 'auto'
@@ -49,5 +51,13 @@ def config_values(environ: dict[str, str], fields: Collection[str]) -> Iterator[
             yield var[len(LMCACHE_PREFIX):].lower(), environ[var], var
 
 
-# KVBLEND_* variables that are not config fields (test and tooling switches).
-_INTERNAL = {"log_level", "test_keep", "connector_debug"}
+# KVBLEND_* variables that are not config fields (test and tooling switches, the node name).
+_INTERNAL = {"log_level", "test_keep", "connector_debug", "node_name"}
+
+NODE_NAME = "KVBLEND_NODE_NAME"
+
+
+def node_name_override(environ: dict[str, str]) -> str | None:
+    """``$KVBLEND_NODE_NAME`` when set and not blank, else None (then the host name is used)."""
+    value = environ.get(NODE_NAME, "").strip()
+    return value or None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -300,8 +301,11 @@ def ray_free_shard(monkeypatch, tmp_path, cfg):
 
 
 def stop_shard(s) -> None:
-    """Shut down the pools of a :func:`ray_free_shard`."""
+    """Shut down the pools of a :func:`ray_free_shard` and release its disk lock."""
     for name in ("_pool", "_write_pool", "_lookup_pool"):
         pool = getattr(s, name, None)
         if pool is not None:
             pool.shutdown(wait=True)
+    if getattr(s, "_disk_lock", None) is not None:  # its disk directory's flock
+        os.close(s._disk_lock)
+        s._disk_lock = None

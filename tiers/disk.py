@@ -78,12 +78,20 @@ class DiskTier:
         return os.path.join(self.path, key.content[:2], f"{key.namespace}.{key.kind}.{key.content}{_SUFFIX}")
 
     def _rebuild(self) -> None:
+        """Index the object files already under ``path`` (a restarted shard's). Names are
+        checked here; contents when read (the readers validate every object: a bad one is a
+        miss and the stack deletes it), so opening a large directory reads no object."""
         found: list[tuple[float, ChunkKey, int, str]] = []
         now = time.time()
         for sub in os.scandir(self.path):
             if not sub.is_dir():
                 continue
-            for ent in os.scandir(sub.path):
+            try:
+                entries = list(os.scandir(sub.path))
+            except OSError as e:  # an unreadable sub-directory: its chunks are misses
+                log.warning("disk tier %s: cannot list %s: %s", self.path, sub.path, e)
+                continue
+            for ent in entries:
                 try:
                     st = ent.stat()
                 except OSError:

@@ -4,7 +4,8 @@ A :class:`ChunkKey` is ``<namespace digest>/<kind>/<content hash>``:
 
 * the **namespace** pins everything that makes two KV tensors interchangeable: model id and
   checkpoint fingerprint, LoRA adapter, KV dtype, KV layout (layers, KV heads, head dim),
-  tensor-parallel rank and size, RoPE parameters and the chunk-format version;
+  tensor-parallel rank and size, RoPE parameters, config overrides and quantization method,
+  and the chunk-format version;
 * ``kind`` is ``seg`` for a blend segment (position-independent: the hash covers the
   segment's token ids only, so the same passage anywhere in any prompt has one key, whatever
   its length) or ``pre`` for an ordinary prefix chunk of ``chunk_size`` tokens (the hash is
@@ -40,17 +41,24 @@ class Namespace:
     """What makes KV interchangeable. Two processes build equal namespaces for the same model.
 
     Attributes:
-        model_id: served model name (e.g. ``smollm2`` or a path's basename).
-        model_fingerprint: cheap checkpoint fingerprint (see :func:`tiers.fingerprint.fingerprint_checkpoint`).
+        model_id: served model name (``smollm2``, a Hub id ``Org/Name`` or a folder's basename;
+            :func:`cluster.namespace.namespace_for` says which).
+        model_fingerprint: checkpoint fingerprint over every byte of its files
+            (:func:`tiers.fingerprint.fingerprint_checkpoint`).
         kv_dtype: torch dtype name of stored KV, e.g. ``bfloat16``.
         num_layers: decoder layers.
-        num_kv_heads: KV heads *of this rank* (total / tp_size).
+        num_kv_heads: KV heads *of this rank* (total / tp_size; 1 when tp_size exceeds the
+            total and vLLM replicates each head on tp_size / total ranks).
         head_dim: per-head dimension.
         rope: canonical string of the RoPE parameters (theta, scaling type and factors).
         tp_rank: tensor-parallel rank (0..tp_size-1).
         tp_size: tensor-parallel world size.
         lora: LoRA adapter name or '' for the base model.
         format_version: chunk-format version (:data:`FORMAT_VERSION`).
+        overrides: canonical JSON of the config overrides the model is served with (vLLM's
+            ``hf_overrides``), ``""`` for none.
+        quantization: weight quantization method (vLLM's ``quantization``, e.g. ``fp8``), ``""``
+            for none.
     """
 
     model_id: str
@@ -64,6 +72,8 @@ class Namespace:
     tp_size: int = 1
     lora: str = ""
     format_version: int = FORMAT_VERSION
+    overrides: str = ""
+    quantization: str = ""
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size):

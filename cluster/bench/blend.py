@@ -191,7 +191,7 @@ class _Bench:
         from blend.engine import BlendEngine
         from cluster.cache.local import LocalCacheClient
         from cluster.config import cache_dir, load_config
-        from cluster.namespace import namespace_for
+        from cluster.namespace import fingerprint_cache_path, namespace_for
         from cluster.vllm.worker_source import build_worker_source
         from cluster.workloads.model import resolve_model
 
@@ -204,7 +204,7 @@ class _Bench:
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.adapter = HFModelAdapter.from_pretrained(self.path, dtype=dtype)
         self.model = self.adapter.model.to(self.device)
-        self.namespace = namespace_for(self.path, args.dtype).digest()
+        self.namespace = namespace_for(self.path, args.dtype, fingerprint_cache=fingerprint_cache_path(config)).digest()
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.eos_ids = {i for i in (tokenizer.eos_token_id, self.im_end) if i is not None}
         self._tmp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")

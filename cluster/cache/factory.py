@@ -12,6 +12,8 @@ building the client raised        ``fallback_on_error=True`` (the vLLM connector
                                   warning naming the error; else the error reaches the caller
                                   (``kvblend ingest``/``demo``: a malformed ``ray_address`` is a
                                   ``ValueError`` the CLI prints)
+``local_fallback`` not ``disk``   ``memory``: a 1 GiB in-memory client of this process; ``off``: a
+                                  client that stores nothing (every read a miss)
 machine-local disk cache failed   ``fallback_on_error=True``: in-memory
                                   :class:`~cluster.cache.local.LocalCacheClient` (1 GiB, this
                                   process only), with a warning; else the error is raised
@@ -41,12 +43,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvblend.client")
 
 _local_clients: dict[tuple[str | None, str], LocalCacheClient] = {}
+_agent_clients: dict[tuple[str | None, str], object] = {}
 _local_lock = threading.Lock()
 
 
 def make_client(config, namespace: str | None = None, *, device: str = "cpu",
                 thread_initializer: Callable[[], None] | None = None,
-                fallback_on_error: bool = False) -> CacheClientProtocol:
+                fallback_on_error: bool = False, agent: bool = False) -> CacheClientProtocol:
     """The cache client of this process (see the module docstring for the fallbacks).
 
     Args:
@@ -58,6 +61,10 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
             (:func:`cluster.vllm.affinity.unpin_thread` inside a vLLM CPU worker).
         fallback_on_error: degrade to a machine-local (or in-memory) client when building the
             client raises, instead of raising (see the module docstring).
+        agent: (vLLM connectors with ``ray_client='agent'``) Ray runs in a child process:
+            an :class:`~cluster.cache.agent_client.AgentClient`, one per namespace and device
+            in this process, over the ``local_fallback`` client while the agent is down;
+            ignored with ``ray_address='local'`` (an in-process cluster).
 
     Returns:
         A :class:`~cluster.cache.client.CacheClient` or a shared
@@ -68,6 +75,8 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
         ValueError: a malformed ``ray_address`` (only without ``fallback_on_error``); likewise
             whatever building the Ray or the machine-local client raised.
     """
+    if agent and config.cluster.ray_address != "local":
+        return shared_agent_client(config, namespace, device=device, thread_initializer=thread_initializer)
     try:
         ray = connect(config.cluster)
         if ray is None:
@@ -89,13 +98,39 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
     return shared_local_client(config, namespace, device=device, memory_fallback=True)
 
 
+def shared_agent_client(config, namespace: str | None = None, *, device: str = "cpu",
+                        thread_initializer: Callable[[], None] | None = None):
+    """This process's :class:`~cluster.cache.agent_client.AgentClient` for ``namespace`` and
+    ``device`` (made, and its first agent started, on the first call)."""
+    from cluster.cache.agent_client import AgentClient
+
+    with _local_lock:
+        client = _agent_clients.get((namespace, str(device)))
+    if client is None:
+        fallback = shared_local_client(config, namespace, device=device, memory_fallback=True)
+        made = AgentClient(config, namespace, fallback, device=device, thread_initializer=thread_initializer)
+        with _local_lock:
+            client = _agent_clients.setdefault((namespace, str(device)), made)
+        if client is not made:
+            made.close()
+    return client
+
+
 def shared_local_client(config, namespace: str | None = None, *, device: str = "cpu",
                         memory_fallback: bool = True) -> LocalCacheClient:
     """This process's machine-local client for ``namespace`` and ``device`` (made on the first
     call: the shared disk cache; with ``memory_fallback`` an in-memory one when that cannot be
     opened, else the error is raised)."""
+    mode = config.cluster.local_fallback
     with _local_lock:
         client = _local_clients.get((namespace, str(device)))
+        if client is None and mode != "disk":
+            # 'memory': this process only; 'off': a tier of no capacity (every put refused,
+            # every read a miss), e.g. in a vLLM pod whose container layer must not fill up
+            from tiers.host import HostTier
+
+            client = LocalCacheClient(HostTier(1 << 30 if mode == "memory" else 0), device=device)
+            _local_clients[(namespace, str(device))] = client
         if client is None:
             try:
                 client = local_client(config, device=device)

@@ -6,7 +6,12 @@ the key's owner is the shard with the highest weight. Properties this module rel
 ``tests/cluster/cache/test_placement.py`` checks:
 
 * every process computes the same owner from the same set of shard names (no coordination,
-  no shared state; names are ``kvblend-shard-<node>-<i>`` and survive actor restarts);
+  no shared state; names are ``kvblend-shard-<node name>@<node id>-<i>`` and survive actor
+  restarts);
+* weights use the shard's *placement name*, its actor name without ``@<node id>``
+  (:func:`placement_name`): a shard restarted on a new Ray node of the same machine (a raylet
+  or pod restart gives a new node id; the node name stays, :mod:`cluster.cache.identity`) owns
+  the same keys as before, the ones its disk directory holds;
 * load is even: with 10,000 keys over 3 shards the busiest shard holds <= 1.15x the mean;
 * adding an N-th shard moves only the keys it now wins (about 1/N of them); removing one
   moves only that shard's keys.
@@ -22,14 +27,24 @@ Bookkeeping only: no torch, no Ray.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 import xxhash
 
+_NODE_ID = re.compile(r"@[0-9a-f]+(?=-\d+$)")
+
+
+def placement_name(shard: str) -> str:
+    """``kvblend-shard-<node name>-<i>`` for ``kvblend-shard-<node name>@<node id>-<i>``; a
+    name without ``@`` (shards named before node names) is its own placement name."""
+    return _NODE_ID.sub("", shard)
+
 
 def weight(shard: str, key: str) -> int:
-    """The HRW weight of ``key`` on ``shard`` (a 64-bit int, stable across processes)."""
-    return xxhash.xxh3_64_intdigest(f"{shard}\0{key}".encode())
+    """The HRW weight of ``key`` on ``shard`` (a 64-bit int, stable across processes and
+    across restarts of the shard on a new Ray node: see :func:`placement_name`)."""
+    return xxhash.xxh3_64_intdigest(f"{placement_name(shard)}\0{key}".encode())
 
 
 def owner(key: str, shards: Sequence[str]) -> str:

@@ -4,9 +4,11 @@ This module is the actor's state and methods (:class:`CacheShard`). Starting, fi
 stopping the actors is :mod:`cluster.cache.lifecycle`: one shard per cache node (a node
 advertising ``shard_resource``; ``shards_per_node`` for more), named
 ``kvblend-shard-<node_id[:8]>-<i>``, detached, in namespace ``ray_namespace``, created
-idempotently and restarted by Ray. Its disk directory is ``<disk_root>/<shard name>``
-(``disk_path``, else ``<cache_dir>/disk``), so a restarted actor (same name, same node) finds
-its disk chunks again (:class:`tiers.disk.DiskTier` rebuilds its index from the files).
+idempotently and restarted by Ray. Its disk directory is ``<disk_root>/<node name>-<i>``
+(``disk_path``, else ``<cache_dir>/disk``; :mod:`cluster.cache.identity`: ``$KVBLEND_NODE_NAME``
+or the host name, locked while in use), so a shard restarted on the same machine finds its
+disk chunks again, also under a new Ray node id (:class:`tiers.disk.DiskTier` rebuilds its
+index from the files; each object is validated when read, a bad one is a miss).
 
 Tiers, top to bottom: ``host`` (a :class:`tiers.host.HostTier` of Ray ``ObjectRef``\\ s) →
 ``disk`` → ``redis`` → ``s3`` (the last two shared by all shards, opened by
@@ -73,6 +75,7 @@ from concurrent.futures import wait as wait_futures
 import numpy as np
 
 from cluster.cache.deadline import LowerLookup
+from cluster.cache.identity import claim_disk_dir, node_name
 from cluster.cache.metrics import ShardMetrics
 from tiers.config import TiersConfig
 from tiers.format import FormatError
@@ -99,18 +102,19 @@ class CacheShard:
     :func:`cluster.cache.lifecycle.start_shards`.
 
     Args:
-        name: the actor name (also the disk sub-directory).
+        name: the actor name.
         tiers_config: sizes, eviction policy, disk path, Redis/S3 URLs.
         disk_root: parent of the per-shard disk directories.
         metrics: export ``kvblend_*`` metrics through ``ray.util.metrics``.
         env: variables set in this actor's process before its tiers open (e.g. S3 credentials):
             constructor arguments, unlike a Ray ``runtime_env``, are not shown by ``ray list actors``.
+        index: this shard's number on its node; with the node name it names the disk directory.
 
     All key arguments are ``str(ChunkKey)``; malformed ones raise ``ValueError``.
     """
 
     def __init__(self, name: str, tiers_config: TiersConfig, disk_root: str,
-                 metrics: bool = True, env: dict[str, str] | None = None) -> None:
+                 metrics: bool = True, env: dict[str, str] | None = None, index: int = 0) -> None:
         import ray
 
         os.environ.update(env or {})  # this actor's own process (issue 19: no runtime_env secrets)
@@ -121,12 +125,14 @@ class CacheShard:
         self.name = name
         self.cfg = tiers_config
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_name = node_name()  # stable across Ray node ids (issue #18 item 4)
         self.started_at = time.time()
         self.host = HostTier(int(tiers_config.host_size_gib * 2**30), tiers_config.eviction_policy,
                              name="host")
-        self.disk = None
+        self.disk, self._disk_lock = None, None  # the lock fd lives as long as this shard
         if tiers_config.disk_size_gib > 0:
-            self.disk = DiskTier(os.path.join(disk_root, name), int(tiers_config.disk_size_gib * 2**30),
+            path, self._disk_lock = claim_disk_dir(disk_root, self.node_name, index)
+            self.disk = DiskTier(path, int(tiers_config.disk_size_gib * 2**30),
                                  tiers_config.eviction_policy, name="disk")
         self.shared = shared_tiers(tiers_config)
         self.lower = ([self.disk] if self.disk is not None else []) + self.shared
@@ -259,9 +265,9 @@ class CacheShard:
 
     # -- actor methods -----------------------------------------------------------------------
     def ready(self) -> dict:
-        """Identity of this shard: name, node id, pid, disk path, tier names top to bottom."""
-        return {"name": self.name, "node_id": self.node_id, "pid": os.getpid(),
-                "disk_path": self.disk.path if self.disk is not None else "",
+        """Identity: name, Ray node id, node name (stable), pid, disk path, tiers top down."""
+        return {"name": self.name, "node_id": self.node_id, "node_name": self.node_name,
+                "pid": os.getpid(), "disk_path": self.disk.path if self.disk is not None else "",
                 "tiers": [t.name for t in [self.host, *self.lower]]}
 
     def lookup(self, keys: Sequence[str], prefetch: bool = True, with_refs: bool = False,
@@ -461,7 +467,7 @@ class CacheShard:
         """A JSON-able snapshot: identity, cumulative counters and every tier's stats.
 
         Returns:
-            ``{'name', 'node_id', 'pid', 'disk_path'`` (as :meth:`ready`), ``'uptime_s'``
+            ``{'name', 'node_id', 'node_name', 'pid', 'disk_path'`` (as :meth:`ready`), ``'uptime_s'``
             (seconds since this actor process started), ``'counters': {name: count}``
             (cumulative since it started: lookups, misses, ``hits_<tier>``, read_errors, puts,
             put_rejected, prefetch_started, prefetch_hits, promotions, write_errors,

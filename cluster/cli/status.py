@@ -1,6 +1,10 @@
 """``kvblend status [--json]``: per shard, its node, capacity and use per tier, hits, misses,
 evictions (a ``rich`` table, or JSON for scripts and tests).
 
+The node column shows the shard's stable node name (``$KVBLEND_NODE_NAME`` or the host name,
+which names its disk directory) with the first 8 hex digits of its current Ray node id; each
+shard's disk directory is listed below the table (:mod:`cluster.cache.identity`).
+
 A shard that does not answer within ``call_timeout_s`` is listed as ``unreachable``.
 """
 
@@ -57,21 +61,26 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"kvblend shards (Ray namespace {cfg.cluster.ray_namespace})")
     for col in ("shard", "node", "tier", "used GiB", "capacity GiB", "chunks", "hits", "misses",
                 "evictions"):
-        table.add_column(col, justify="left" if col in ("shard", "node", "tier") else "right")
+        table.add_column(col, justify="left" if col in ("shard", "node", "tier") else "right",
+                         no_wrap=col == "shard")
     for name, st in shards.items():
         if "error" in st:
             table.add_row(name, "-", "-", "-", "-", "-", "-", "-", st["error"])
             continue
         counters = st.get("counters", {})
+        node = f"{st.get('node_name', '?')} ({st.get('node_id', '')[:8]})"
         first = True
         for tier, ts in st.get("tiers", {}).items():
-            table.add_row(name if first else "", st.get("node_id", "")[:8] if first else "", tier,
+            table.add_row(name if first else "", node if first else "", tier,
                           _gib(ts.get("bytes_used", 0)), _gib(ts.get("capacity_bytes", 0)),
                           str(int(ts.get("num_chunks", 0))), str(counters.get(f"hits_{tier}", 0)),
                           str(counters.get("misses", 0)) if first else "",
                           str(int(ts.get("evictions", 0))))
             first = False
     Console(width=140).print(table)
+    for name, st in shards.items():
+        if st.get("disk_path"):
+            print(f"{name}: disk {st['disk_path']}")
     if not shards:
         print("no shards running (start them with `kvblend server`)")
     return 0

@@ -85,7 +85,13 @@ connector stats hooks (``get_kv_connector_stats`` on both sides, ``build_kv_conn
 ``kv_connector_extra_config["stats_path"]`` when set (``{"event": "lookup"|"claim"|"load"|
 "store", "request_id": ..., ...}``; readable by tests and the demo from the front-end process,
 across vLLM's engine-core process boundary); cumulative counters are also in
-:attr:`KVBlendConnector.counters`.
+:attr:`KVBlendConnector.counters`. Each connector also writes one ``"start"`` event (``request_id``
+``""``) with its role, namespace digest, model id and tp rank.
+
+**Namespace** (:func:`cluster.namespace.namespace_for`): from ``model_config.model`` as vLLM
+resolved it (a folder, or a Hub id read from the local Hugging Face cache, never the network),
+``revision``, ``hf_overrides``, ``quantization``, the served dtype and this rank; the scheduler logs
+it once (``kvblend: namespace <digest> ...``), the same line ``kvblend ingest`` prints.
 
 Options (:mod:`cluster.vllm.options`): our config (YAML/env/LMCache aliases,
 :func:`cluster.config.load_config`) overridden by ``kv_connector_extra_config`` (our field
@@ -161,7 +167,6 @@ class KVBlendConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         from cluster.config import load_config, log_config
-        from cluster.namespace import namespace_for
 
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         options = ConnectorOptions.pop_from(extra)
@@ -181,9 +186,12 @@ class KVBlendConnector(KVConnectorBase_V1):
             log.warning("kvblend: pipeline_parallel_size=%d is not supported (a chunk holds every "
                         "layer); the connector stays idle", pp_size)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.namespace = namespace_for(self.model_path, self.kv_dtype, tp_rank=self._tp_rank(role),
-                                       tp_size=self.tp_size)
+        self.namespace = self._namespace(self._tp_rank(role))
         self.namespace_digest = self.namespace.digest()
+        if role == KVConnectorRole.SCHEDULER:  # `kvblend ingest` prints the same line: compare them
+            log.info("kvblend: namespace %s (model %s, dtype %s, overrides %s, quantization %s, tp %d)",
+                     self.namespace_digest, self.namespace.model_id, self.kv_dtype,
+                     self.namespace.overrides or "none", self.namespace.quantization or "none", self.tp_size)
         self.client = self._make_client(role)
         if self.tp_size > 1 and self.enabled and self.config.cluster.engine_type == "blend":
             log.warning("kvblend: tensor_parallel_size=%d: blending needs 1 (the vLLM adapter does not "
@@ -196,6 +204,8 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._counters = Counters()
         self.counters: dict[str, float] = self._counters.totals
         events, warn = EventLog(options.stats_path), WarnOnce()
+        events.write("start", request_id="", role=role.name.lower(), namespace=self.namespace_digest,
+                     model_id=self.namespace.model_id, tp_rank=self.namespace.tp_rank, enabled=self.enabled)
         self.connector_scheduler: KVBlendScheduler | None = None
         self.connector_worker: KVBlendWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -210,6 +220,18 @@ class KVBlendConnector(KVConnectorBase_V1):
                 store_tokens_per_step=options.store_tokens_per_step, load_step_s=options.load_step_s,
                 counters=self._counters, events=events, warn=warn)
 
+    def _namespace(self, tp_rank: int):
+        """The :class:`tiers.keys.Namespace` of ``tp_rank`` for the model as vLLM resolved it (a
+        folder, or a Hub id read from the local Hugging Face cache), with its revision,
+        ``hf_overrides`` and quantization (:func:`cluster.namespace.namespace_for`)."""
+        from cluster.namespace import fingerprint_cache_path, namespace_for
+
+        mc = self._vllm_config.model_config
+        return namespace_for(self.model_path, self.kv_dtype, revision=getattr(mc, "revision", None),
+                             hf_overrides=getattr(mc, "hf_overrides", None),
+                             quantization=getattr(mc, "quantization", None), tp_rank=tp_rank,
+                             tp_size=self.tp_size, fingerprint_cache=fingerprint_cache_path(self.config))
+
     def _tp_rank(self, role: KVConnectorRole) -> int:
         """This worker's tensor-parallel rank (0 for the scheduler, which speaks for all)."""
         if role == KVConnectorRole.WORKER and self.tp_size > 1:
@@ -221,22 +243,27 @@ class KVBlendConnector(KVConnectorBase_V1):
     def _make_client(self, role: KVConnectorRole):
         """This rank's cache client (None when the connector is idle); under TP the
         scheduler's client looks chunks up on every rank (:class:`AllRanksLookup`)."""
-        from cluster.namespace import namespace_for
-
         with all_cpus():  # Ray's threads must not inherit vLLM's one pinned core (cluster.vllm.affinity)
             client = (make_client(self.config, self.namespace_digest, thread_initializer=unpin_thread,
-                                   fallback_on_error=True)
+                                   fallback_on_error=True, agent=self.config.cluster.ray_client == "agent")
                       if self.enabled else None)
         if self.tp_size > 1 and client is not None and role == KVConnectorRole.SCHEDULER:
-            client = AllRanksLookup(client, [
-                namespace_for(self.model_path, self.kv_dtype, tp_rank=r, tp_size=self.tp_size).digest()
-                for r in range(self.tp_size)])
+            client = AllRanksLookup(client, [self._namespace(r).digest() for r in range(self.tp_size)])
         return client
 
     def _load_tokenizer(self):
+        """vLLM's tokenizer, from the local folder when it is a cached Hub id (no Hub calls)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self._vllm_config.model_config.tokenizer or self.model_path)
+        from cluster.namespace import resolve_model_path
+
+        mc = self._vllm_config.model_config
+        name = mc.tokenizer or self.model_path
+        try:
+            name = resolve_model_path(name, getattr(mc, "tokenizer_revision", None))
+        except ValueError:
+            pass  # not cached: transformers resolves it as vLLM's front end did
+        return AutoTokenizer.from_pretrained(name)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Worker: compute every queued store and wait for its puts (True when done within

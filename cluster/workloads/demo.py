@@ -338,7 +338,7 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
                  cpus):
     from cluster.cache.factory import make_client
     from cluster.config import load_config
-    from cluster.namespace import namespace_for
+    from cluster.namespace import fingerprint_cache_path, namespace_for
     from cluster.workloads.ingest import build_engine, ingest_passages
     from cluster.workloads.replicas import start_replica, wait_ready
 
@@ -347,7 +347,7 @@ def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_pr
     from cluster.workloads.replicas import default_dtype
 
     dtype = default_dtype()  # the replicas serve (and store KV) in this dtype
-    namespace = namespace_for(model_path, dtype)
+    namespace = namespace_for(model_path, dtype, fingerprint_cache=fingerprint_cache_path(cfg))
     engine, _ = build_engine(model_path, dtype)
     client = make_client(cfg, namespace.digest())
     import torch

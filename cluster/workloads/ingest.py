@@ -21,7 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True,
                    help="JSONL corpus: {id, question, passages, answers} rows, or one passage per line")
     p.add_argument("--config", help="YAML config file")
-    p.add_argument("--model", default=None, help="model (default: config 'model')")
+    p.add_argument("--model", default=None,
+                   help="model as vLLM is given it: bundled name, folder or Hugging Face Hub id found in "
+                        "the local HF cache (default: config 'model')")
+    p.add_argument("--revision", default=None, help="Hub revision of --model (as vllm serve --revision)")
+    p.add_argument("--hf-overrides", default=None,
+                   help="JSON object of config overrides, as vllm serve --hf-overrides (must match the "
+                        "server's for its requests to hit)")
     p.add_argument("--limit", type=int, default=None, help="read at most this many rows")
     p.add_argument("--ray-address", default=None, help="Ray cluster (default: config ray_address)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
@@ -93,22 +99,36 @@ def ingest_passages(passages: Sequence[str], engine, tokenizer, client, namespac
     return IngestReport(len(passages), stored, skipped, tokens, time.perf_counter() - t0)
 
 
-def build_engine(model_path: str, dtype: str):
+def build_engine(model_path: str, dtype: str, hf_overrides=None):
     """HF-adapter engine for ingest, and the tokenizer.
 
     On CPU the model computes in float32 and the KV is cast to ``dtype`` when stored: PyTorch's
     bf16 matmuls on CPUs without AMX ran ~30 tokens/s here, float32 ~1,000 (measured on
-    SmolLM2-135M, 2 cores); on a GPU it computes in ``dtype``.
+    SmolLM2-135M, 2 cores); on a GPU it computes in ``dtype``. ``hf_overrides`` (dict or JSON
+    string) is applied to the model's config with vLLM's rules
+    (:func:`cluster.namespace.apply_overrides`), so the KV is the served model's.
     """
     import torch
     from transformers import AutoTokenizer
 
     from blend.adapters.hf import HFModelAdapter
     from blend.engine import BlendEngine
+    from cluster.namespace import canonical_overrides, model_id_of
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     compute = torch_dtype if torch.cuda.is_available() else torch.float32
-    adapter = HFModelAdapter.from_pretrained(model_path, dtype=compute)
+    overrides, _ = canonical_overrides(hf_overrides)
+    if overrides:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from cluster.namespace import apply_overrides
+
+        config = apply_overrides(AutoConfig.from_pretrained(model_path), overrides)
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=compute,
+                                                     attn_implementation="sdpa")
+        adapter = HFModelAdapter(model, model_id=model_id_of(model_path))
+    else:
+        adapter = HFModelAdapter.from_pretrained(model_path, dtype=compute, model_id=model_id_of(model_path))
     return BlendEngine(adapter), AutoTokenizer.from_pretrained(model_path)
 
 
@@ -117,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cluster.cache.factory import make_client
     from cluster.config import cache_dir, load_config
-    from cluster.namespace import namespace_for
+    from cluster.namespace import fingerprint_cache_path, namespace_for
     from cluster.workloads.model import resolve_model
     from cluster.workloads.qa import load_examples
 
@@ -130,11 +150,16 @@ def run(args: argparse.Namespace) -> int:
     from cluster.workloads.replicas import default_dtype
 
     args.dtype = args.dtype or default_dtype()
-    model_path = resolve_model(config.cluster.model, cache_dir(config))
-    namespace = namespace_for(model_path, args.dtype)
+    model_path = resolve_model(config.cluster.model, cache_dir(config), revision=args.revision)
+    namespace = namespace_for(model_path, args.dtype, hf_overrides=args.hf_overrides,
+                              fingerprint_cache=fingerprint_cache_path(config))
+    # the connector logs the same line at start: equal digests mean ingest's chunks are hit
+    print(f"namespace {namespace.digest()} (model {namespace.model_id}, dtype {args.dtype}, "
+          f"overrides {namespace.overrides or 'none'}, quantization {namespace.quantization or 'none'})",
+          flush=True)
     rows = load_examples(args.data, limit=args.limit)
     passages = unique_passages(rows)
-    engine, tokenizer = build_engine(model_path, args.dtype)
+    engine, tokenizer = build_engine(model_path, args.dtype, args.hf_overrides)
     client = make_client(config, namespace.digest())
     report = ingest_passages(passages, engine, tokenizer, client, namespace.digest(),
                              kv_dtype=getattr(torch, args.dtype))

@@ -45,11 +45,13 @@ def model_dir(name: str, root: str) -> str:
     return os.path.join(root, "models", name)
 
 
-def resolve_model(model: str, root: str, prepare: bool = True) -> str:
-    """Path of a HF model folder for ``model`` (a bundled name or a path).
+def resolve_model(model: str, root: str, prepare: bool = True, revision: str | None = None) -> str:
+    """Path of a HF model folder for ``model``: a bundled name (prepared under ``root``), a
+    folder, or a Hugging Face Hub id whose snapshot (``revision``, default ``main``) is in the
+    local HF cache (:func:`cluster.namespace.resolve_model_path`, never the network).
 
     Raises:
-        ValueError: not a bundled name and not a directory.
+        ValueError: none of these (the message names the HF cache searched).
     """
     if model in MODELS:
         path = model_dir(model, root)
@@ -60,7 +62,12 @@ def resolve_model(model: str, root: str, prepare: bool = True) -> str:
         return path
     if os.path.isdir(model):
         return model
-    raise ValueError(f"model={model!r} is neither a bundled model ({', '.join(MODELS)}) nor a directory")
+    from cluster.namespace import resolve_model_path
+
+    try:
+        return resolve_model_path(model, revision)
+    except ValueError as e:
+        raise ValueError(f"model={model!r} is not a bundled model ({', '.join(MODELS)}): {e}") from None
 
 
 def _gguf_path(package: str, name: str) -> str:

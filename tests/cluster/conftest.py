@@ -1,7 +1,8 @@
 """One Ray cluster for the session (``ray_cluster``) and the cache on it, for the tests of
 ``tests/cluster/cache`` and ``tests/cluster/cli``: ``ray.cluster_utils.Cluster`` with 2 nodes on
-this machine, each advertising the shard resource, small object stores (200 MB each), no
-dashboard, metrics exported on a known port of the head. Shut down at the end of the session.
+this machine, each advertising the shard resource and naming itself (``KVBLEND_NODE_NAME``:
+``test-node-a``, ``test-node-b``), small object stores (200 MB each), no dashboard, metrics
+exported on a known port of the head. Shut down at the end of the session.
 
 A module whose tests take ``ray_cluster`` (or a fixture built on it) carries the ``shared_ray``
 marker, which runs it after every other test (see ``tests/conftest.py``).
@@ -31,8 +32,12 @@ def ray_cluster(tmp_path_factory):
         "num_cpus": 1, "resources": {RESOURCE: 1}, "object_store_memory": OBJECT_STORE_BYTES,
         "include_dashboard": False, "metrics_export_port": metrics_port,
         "_system_config": {"metrics_report_interval_ms": 1000},
+        "env_vars": {"KVBLEND_NODE_NAME": "test-node-a"},
     })
-    cluster.add_node(num_cpus=1, resources={RESOURCE: 1}, object_store_memory=OBJECT_STORE_BYTES)
+    # Both nodes run on this machine (one host name): each gets its own stable node name, as
+    # distinct machines would, so their shards' disk directories differ without lock contention.
+    cluster.add_node(num_cpus=1, resources={RESOURCE: 1}, object_store_memory=OBJECT_STORE_BYTES,
+                     env_vars={"KVBLEND_NODE_NAME": "test-node-b"})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="kvblend-test-driver", log_to_driver=False)
     yield cluster, metrics_port

@@ -86,7 +86,9 @@ def test_kvblend_env_vars_are_config_fields(rendered):
     for where, container, _ in rendered.containers():
         names = {e["name"]: "x" for e in container.get("env", []) if e["name"].startswith("KVBLEND_")}
         list(envmod.config_values(names, FIELD_SECTION))  # raises ValueError on an unknown one
-        assert set(names) <= {"KVBLEND_CONFIG", "KVBLEND_REDIS_URL"}, where
+        # KVBLEND_NODE_NAME (shards) is no config field but a known variable (cluster/env.py)
+        assert set(names) <= {"KVBLEND_CONFIG", "KVBLEND_REDIS_URL", "KVBLEND_LOCAL_FALLBACK",
+                              "KVBLEND_NODE_NAME"}, where
 
 
 def test_values_schema_covers_exactly_the_config_fields():

@@ -215,3 +215,30 @@ def test_s3_credentials_come_from_a_secret_or_the_service_account(rendered):
                          ids=["add-capability"])
 def test_schema_refuses_weakened_security(helm, sets):
     assert helm.template(None, *sets, check=False).returncode != 0
+
+
+@pytest.mark.parametrize("disk_type", ["emptyDir", "pvc", "hostPath"])
+def test_shard_pods_name_their_node_after_what_outlives_their_disk(helm, disk_type):
+    """hostPath outlives pods on a machine: the Kubernetes node's name; emptyDir and ephemeral
+    PVCs live as long as the pod: the pod's name (cluster/cache/identity.py)."""
+    group = helm.render(None, f"shards.disk.type={disk_type}").one("RayCluster")["spec"]["workerGroupSpecs"][0]
+    env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
+    want = "spec.nodeName" if disk_type == "hostPath" else "metadata.name"
+    assert env["KVBLEND_NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": want}}
+
+
+@pytest.mark.parametrize("fallback", ["off", "memory", "disk"])
+def test_vllm_local_fallback_is_the_pods_own_and_disk_gets_a_bounded_volume(helm, fallback):
+    rendered = helm.render(None, f"vllm.localFallback={fallback}")
+    spec = rendered.one("Deployment", "vllm")["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVBLEND_LOCAL_FALLBACK"] == fallback
+    cfg = rendered.values["kvblend"]["config"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    if fallback != "disk":
+        assert cfg["disk_path"] not in mounts
+        return
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mounts[cfg["disk_path"]]]
+    assert _quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= cfg["disk_size_gib"] * GIB
+

@@ -11,12 +11,13 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from tests.serving import http_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
@@ -61,36 +62,13 @@ def readme_cluster(smollm2_path):
 
 @pytest.fixture(scope="module")
 def readme_vllm(readme_cluster, tmp_path_factory):
-    import requests
 
     line = readme_block("vllm-serve")
     assert line.startswith("vllm serve ")
     port = int(re.search(r"--port (\d+)", line).group(1))
     log_path = tmp_path_factory.mktemp("vllm") / "serve.log"
-    with open(log_path, "w") as fh:
-        proc = subprocess.Popen(["bash", "-c", line], env=_env(), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError("vllm serve exited:\n" + log_path.read_text()[-3000:])
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise AssertionError("vllm serve not ready:\n" + log_path.read_text()[-3000:])
-            time.sleep(1)
+    with http_server(["bash", "-c", line], _env(), log_path, port, ready_s=300) as (url, _proc):
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_kvblend_status_shows_the_readme_cluster(readme_cluster):

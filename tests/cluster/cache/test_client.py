@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,7 +23,9 @@ def test_one_shard_per_node(ray_cluster, shards, kvconfig):
     assert len({i["node_id"] for i in infos}) == 2  # one per node
     for info in infos:
         assert info["name"] in shards and info["node_id"][:8] in info["name"]
-        assert info["disk_path"].endswith(info["name"])
+        # the disk directory follows the node's stable name, not its Ray node id
+        assert info["node_name"] in ("test-node-a", "test-node-b")
+        assert os.path.basename(info["disk_path"]).startswith(f"{info['node_name']}-0")
 
 
 def test_put_lookup_fetch_round_trip(client):

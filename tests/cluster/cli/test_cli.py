@@ -36,7 +36,7 @@ def cli_namespace(ray_cluster, tmp_path_factory):
                    "--eviction-policy", "lfu", "--engine-type", "prefix")
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    yield cluster.address, ns, out
+    yield cluster.address, ns, {**out, "disk": str(disk)}
     kvblend("stop", "--address", cluster.address, "--ray-namespace", ns)
 
 
@@ -46,6 +46,7 @@ def test_server_status_clear_stop(cli_namespace, kvconfig):
     from cluster.config import load_config
 
     address, ns, started = cli_namespace
+    started_disk = started["disk"]
     assert started["namespace"] == ns and len(started["shards"]) == 2
     assert sorted(shard_names(ns)) == sorted(started["shards"])
 
@@ -69,11 +70,16 @@ def test_server_status_clear_stop(cli_namespace, kvconfig):
         assert st["tiers"]["disk"]["capacity_bytes"] == int(0.05 * 2**30)
         total += st["tiers"]["host"]["num_chunks"]
     assert total == 7
+    # each shard names its node by its stable name, which names its disk directory
+    by_node = {st["node_name"]: st["disk_path"] for st in status["shards"].values()}
+    assert by_node == {n: os.path.join(started_disk, f"{n}-0") for n in ("test-node-a", "test-node-b")}
 
     table = kvblend("status", "--address", address, "--ray-namespace", ns)
     assert table.returncode == 0
     for name in started["shards"]:
         assert name in table.stdout
+    for node, path in by_node.items():
+        assert node in table.stdout and f"disk {path}" in table.stdout
     assert "host" in table.stdout and "disk" in table.stdout and "evictions" in table.stdout
 
     done = kvblend("clear", "--namespace", NAMESPACE, "--address", address, "--ray-namespace", ns)

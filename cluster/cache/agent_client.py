@@ -1,0 +1,438 @@
+"""``AgentClient``: the vLLM connector's cache client when Ray must not live in vLLM's process.
+
+A :class:`~cluster.cache.protocol.CacheClientProtocol` whose Ray work runs in a child process
+(:mod:`cluster.cache.agent`, the module docstring says why: a Ray driver dies with a lost
+head). This process never imports Ray. While the agent is up, calls go over its socket:
+
+=================  ==========================================================================
+``lookup``         one round trip; waited for at most the lookup deadline (``lookup_timeout_s``
+                   + margin) — a late answer is a miss for every key
+``fetch_layers``   the chunk objects come over once per request (``objects``: raw bytes, the
+                   agent's only copy), then each layer is sliced and checked here;
+                   ``host_layers()`` hands the same mapped objects to a CUDA worker's staging
+``put``            the tensor's bytes, sent before returning; at most :data:`MAX_PUT_BYTES`
+                   unanswered (more: the newest put is dropped and counted)
+``contains``,      one round trip each, ``call_timeout_s`` (a timeout is a miss / False / 0)
+``delete``,
+``flush``
+=================  ==========================================================================
+
+While the agent is down (never started, Ray killed it, it crashed), every call goes to
+``fallback`` (the ``local_fallback`` client: machine-local disk, memory, or nothing), counted
+in ``agent_down_calls``; the next call after ``backoff`` seconds (1 s doubling to 30 s) probes
+the Ray address with one TCP connect (no Ray import) and, when it answers, starts a new agent
+on a background thread. One log line per state change (up, down).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from blend.protocols import ChunkMeta, fetch_in_order
+from cluster.cache.deadline import lookup_wait_s
+from cluster.cache.host_layers import RayHostLayers
+from cluster.cache.wire import AgentLink, WireError, recv_frame, send_frame
+from tiers.codec import DTYPE_NAMES, layer_tensor
+from tiers.format import FormatError, decode_layer, parse_header
+from tiers.keys import ChunkKey
+
+log = logging.getLogger("kvblend.client")
+
+#: seconds the first agent may take to import Ray, join the cluster and find shards
+AGENT_START_TIMEOUT_S = 60.0
+#: reconnect back-off after a failed start or a lost agent: first and largest, seconds
+BACKOFF_S = (1.0, 30.0)
+#: bytes of puts sent and not yet answered; beyond it a put is dropped (``puts_dropped``)
+MAX_PUT_BYTES = 512 << 20
+#: bytes of chunk objects kept between requests (LRU; those of the running call always stay)
+MAX_MAPPED_BYTES = 256 << 20
+
+COUNTERS = ("lookups", "hits", "misses", "read_errors", "timeouts", "agent_errors", "agent_busy",
+            "agent_down_calls", "agent_starts", "agent_exits", "puts", "puts_dropped",
+            "layer_reads", "layer_misses")
+
+
+class _Entry:
+    """What :class:`RayHostLayers` reads of a mapped chunk: its header."""
+
+    __slots__ = ("header",)
+
+    def __init__(self, header) -> None:
+        self.header = header
+
+
+class AgentClient:
+    """Cache client over a cache agent (see the module docstring), falling back to ``fallback``.
+
+    Args:
+        config: a :class:`cluster.config.KVBlendConfig` (the agent gets every field).
+        namespace: chunk namespace digest.
+        fallback: the client used while no agent is up (any CacheClientProtocol).
+        device: device of the tensors ``fetch_layer`` returns.
+        thread_initializer: run first in each fetch thread (a vLLM CPU worker's unpinning).
+        start_timeout_s: how long the constructor waits for the first agent (vLLM start-up
+            waits for the cache once; later starts happen in the background).
+    """
+
+    def __init__(self, config, namespace: str | None, fallback, *, device: str | torch.device = "cpu",
+                 thread_initializer: Callable[[], None] | None = None,
+                 start_timeout_s: float = AGENT_START_TIMEOUT_S) -> None:
+        self.config, self.namespace, self.fallback = config, namespace, fallback
+        self.device = torch.device(device)
+        self.timeout_s = config.cluster.call_timeout_s
+        self.lookup_wait_s = lookup_wait_s(config)
+        self.max_mapped_bytes = MAX_MAPPED_BYTES
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._lock = threading.Lock()
+        self._link: AgentLink | None = None
+        self._objects: OrderedDict[ChunkKey, tuple[np.ndarray, object]] = OrderedDict()
+        self._put_bytes = 0
+        self._starting = False
+        self._closed = False
+        self._state = ""
+        self._backoff = BACKOFF_S[0]
+        self._next_start = 0.0
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-client", initializer=thread_initializer)
+        self._start(start_timeout_s)
+
+    # -- the agent's life ---------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (:class:`RayHostLayers` counts its reads here)."""
+        self._count(name, n)
+
+    @property
+    def up(self) -> bool:
+        """Whether an agent is serving this client now."""
+        return self._link is not None
+
+    def _address(self) -> str | None:
+        from cluster.cache.connect import _auto_address, _probe
+
+        address = self.config.cluster.ray_address
+        if address == "auto":
+            address = _auto_address()
+        return address if address and _probe(address) else None
+
+    def _start(self, timeout_s: float) -> None:
+        """Start an agent and wait for its hello answer (up to ``timeout_s``); on failure
+        schedule the next attempt with back-off. Never raises."""
+        why, link = None, None
+        try:
+            if self._address() is None:
+                why = f"Ray is not reachable at ray_address={self.config.cluster.ray_address!r}"
+            else:
+                link, why = self._spawn(timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failed start is a fallback, never an error
+            why = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._starting = False
+            if link is not None and not self._closed:
+                self._link, self._backoff = link, BACKOFF_S[0]
+                self.counters["agent_starts"] += 1
+            else:
+                self._next_start = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, BACKOFF_S[1])
+        if link is not None and self._closed:
+            link.close()
+        elif link is not None:
+            self._state_change("up", f"cache agent up (pid {link.pid}, {why}); using the shared cache")
+        else:
+            self._state_change("down", f"no cache agent ({why}); serving without the shared cache, "
+                               "retrying in the background")
+
+    def _state_change(self, state: str, message: str) -> None:
+        """Log ``message`` once per change of state (up/down), at debug level otherwise."""
+        with self._lock:
+            changed, self._state = self._state != state, state
+        if changed:
+            log.warning("kvblend: %s", message)
+        else:
+            log.debug("%s", message)
+
+    def _spawn(self, timeout_s: float) -> tuple[AgentLink | None, str]:
+        from dataclasses import asdict
+
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "cluster.cache.agent", str(child.fileno())],
+                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                                    cwd=os.getcwd(), env=_agent_env())
+        finally:
+            child.close()
+        flat = {}
+        for section in ("tiers", "blend", "cluster"):
+            flat.update(asdict(getattr(self.config, section)))
+        try:
+            parent.settimeout(timeout_s)
+            send_frame(parent, threading.Lock(), {"op": "hello", "config": flat, "namespace": self.namespace})
+            answer, _ = recv_frame(parent)
+            parent.settimeout(None)
+        except (OSError, WireError) as e:
+            proc.kill()
+            parent.close()
+            return None, f"agent did not answer within {timeout_s:.0f} s ({type(e).__name__})"
+        if not answer.get("ok"):
+            parent.close()
+            proc.wait(timeout=5.0)
+            return None, str(answer.get("why"))
+        return AgentLink(proc, parent, int(answer["pid"]), self._lost), f"{answer.get('shards')} shard(s)"
+
+    def _lost(self, link: AgentLink) -> None:
+        with self._lock:
+            if self._link is not link:
+                return
+            self._link = None
+            self.counters["agent_exits"] += 1
+            self._next_start = time.monotonic() + self._backoff
+            self._objects.clear()
+        if not self._closed:
+            self._state_change("down", f"cache agent (pid {link.pid}) exited; serving without the "
+                               "shared cache (full prefill) and reconnecting in the background")
+
+    def _agent(self) -> AgentLink | None:
+        """The live agent, or None (then maybe start one in the background)."""
+        link = self._link
+        if link is not None:
+            return link
+        with self._lock:
+            start = not self._starting and not self._closed and time.monotonic() >= self._next_start
+            if start:
+                self._starting = True
+            self.counters["agent_down_calls"] += 1
+        if start:
+            threading.Thread(target=self._start, args=(AGENT_START_TIMEOUT_S,),
+                             name="kvblend-agent-start", daemon=True).start()
+        return None
+
+    def _call(self, link: AgentLink, wait_s: float, message: dict, buffers: Sequence = ()):
+        """``(result, buffers)`` of one agent call, or None (counted) on timeout or error."""
+        try:
+            return link.call(message, buffers).result(timeout=wait_s)
+        except TimeoutError:
+            self._count("timeouts")
+        except BlockingIOError:
+            self._count("agent_busy")
+        except Exception as e:  # noqa: BLE001 - the agent's fault is a miss here
+            log.debug("agent call %s failed: %r", message.get("op"), e)
+            self._count("agent_errors")
+        return None
+
+    # -- KVSource ------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
+        """As :meth:`CacheClient.lookup`, within the lookup deadline."""
+        keys = list(keys)
+        link = self._agent()
+        if link is None:
+            return self.fallback.lookup(keys)
+        got = self._call(link, self.lookup_wait_s + 0.25, {"op": "lookup", "keys": [str(k) for k in keys]})
+        out: list[ChunkMeta | None] = [None] * len(keys)
+        for i, m in enumerate(got[0] if got is not None else ()):
+            if m is not None and i < len(keys):
+                num_tokens, runs, tier = m
+                positions = tuple(p for start, n in runs for p in range(start, start + n))
+                out[i] = ChunkMeta(keys[i], int(num_tokens), positions, str(tier))
+        hits = sum(m is not None for m in out)
+        with self._lock:
+            self.counters["lookups"] += len(keys)
+            self.counters["hits"] += hits
+            self.counters["misses"] += len(keys) - hits
+        return out
+
+    def map_for_read(self, keys: list[ChunkKey]) -> tuple[list[_Entry | None], list[tuple | None]]:
+        """The objects of ``keys`` (fetched from the agent where not held already): per key
+        an entry with its header and ``(array, header)``, or None twice (a miss)."""
+        keys = list(keys)
+        with self._lock:
+            arrays = [self._objects.get(k) for k in keys]
+        need = [i for i, a in enumerate(arrays) if a is None]
+        link = self._link
+        if need and link is not None:
+            got = self._call(link, self.timeout_s * 2, {"op": "objects", "keys": [str(keys[i]) for i in need]})
+            if got is not None:
+                present, buffers = got
+                it = iter(buffers)
+                for i, p in zip(need, present, strict=False):
+                    if p:
+                        arrays[i] = self._own(keys[i], next(it))
+            with self._lock:
+                for k, a in zip(keys, arrays, strict=True):
+                    if a is not None:
+                        self._objects[k] = a
+                        self._objects.move_to_end(k)
+                held = sum(a[0].nbytes for a in self._objects.values())
+                for k in list(self._objects):
+                    if held <= self.max_mapped_bytes:
+                        break
+                    if k not in keys:
+                        held -= self._objects.pop(k)[0].nbytes
+        return [None if a is None else _Entry(a[1]) for a in arrays], arrays
+
+    def _own(self, key: ChunkKey, buf: bytearray) -> tuple[np.ndarray, object] | None:
+        try:
+            return np.frombuffer(buf, dtype=np.uint8), parse_header(memoryview(buf), expected_key=key)
+        except FormatError as err:
+            log.debug("object of %s rejected: %s", key, err)
+            self._count("read_errors")
+            return None
+
+    def _fetch(self, keys: list[ChunkKey], layer_idx: int) -> list[torch.Tensor | None]:
+        try:
+            _, arrays = self.map_for_read(keys)
+            out: list[torch.Tensor | None] = []
+            for k, a in zip(keys, arrays, strict=True):
+                t = None
+                if a is not None and layer_idx < a[1].num_layers:
+                    arr, header = a
+                    e = header.layers[layer_idx]
+                    try:
+                        raw = decode_layer(header, layer_idx, memoryview(arr)[e.offset:e.offset + e.stored_len])
+                        # a copy: the mapped object serves the next request too, and the
+                        # engine may write into what it gets
+                        t = layer_tensor(bytearray(raw), header.layer_shape, header.dtype).to(self.device)
+                    except (FormatError, ValueError) as err:
+                        log.debug("layer %d of %s rejected: %s", layer_idx, k, err)
+                        self._count("read_errors")
+                self._count("layer_reads" if t is not None else "layer_misses")
+                out.append(t)
+            return out
+        except Exception as e:  # noqa: BLE001 - a future never carries a cache fault
+            log.warning("fetch_layer failed, serving misses: %r", e)
+            self._count("layer_misses", len(keys))
+            return [None] * len(keys)
+
+    def fetch_layers(self, keys: Sequence[ChunkKey],
+                     layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
+        """Every layer of ``keys`` in order (:func:`blend.protocols.fetch_in_order`); the
+        fallback's while the agent is down. Raises ValueError for a negative layer index."""
+        if self._agent() is None:
+            return self.fallback.fetch_layers(keys, layer_idxs)
+        return fetch_in_order(self._pool.submit, self._fetch, keys, layer_idxs)
+
+    def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future[list[torch.Tensor | None]]:
+        """One layer (see :meth:`fetch_layers`)."""
+        if layer_idx < 0:
+            raise ValueError(f"layer_idx={layer_idx} must be >= 0")
+        return self.fetch_layers(keys, [layer_idx])[0]
+
+    def host_layers(self) -> RayHostLayers:
+        """The mapped objects as a CUDA worker's staging reads them (misses while down)."""
+        return RayHostLayers(self)
+
+    def shared_tiers(self) -> list:
+        """None here: the agent reads Redis/S3 for chunks whose owner shard died."""
+        return []
+
+    # -- KVSink and administration -------------------------------------------------------------
+    def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:
+        """Send ``kv`` ``[L, 2, T, H, D]`` to the agent before returning (the agent's client
+        stores it asynchronously); dropped and counted beyond :data:`MAX_PUT_BYTES` in flight.
+
+        Raises:
+            TypeError: ``key`` is not a :class:`ChunkKey`.
+            ValueError: ``kv`` not 5-D with axis 1 of size 2, or an unsupported dtype.
+        """
+        if not isinstance(key, ChunkKey):
+            raise TypeError(f"put expects a ChunkKey, got {type(key).__name__}")
+        if kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in DTYPE_NAMES:
+            raise ValueError(f"kv must be [L, 2, T, H, D] in {sorted(DTYPE_NAMES.values())}, "
+                             f"got {tuple(kv.shape)} {kv.dtype}")
+        link = self._agent()
+        if link is None:
+            self.fallback.put(key, kv, positions)
+            return
+        data = kv.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+        with self._lock:
+            if self._put_bytes + data.nbytes > MAX_PUT_BYTES:
+                self.counters["puts_dropped"] += 1
+                return
+            self._put_bytes += data.nbytes
+            self.counters["puts"] += 1
+        message = {"op": "put", "keys": [str(key)], "dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape),
+                   "positions": None if positions is None else [int(p) for p in positions]}
+
+        def done(_fut=None, n=data.nbytes) -> None:
+            with self._lock:
+                self._put_bytes -= n
+
+        try:
+            link.call(message, [data]).add_done_callback(done)
+        except Exception as e:  # noqa: BLE001 - a put that cannot be sent is dropped
+            done()
+            log.debug("put of %s not sent: %r", key, e)
+            self._count("puts_dropped")
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait up to ``timeout_s`` for the agent's pending puts (or the fallback's)."""
+        link = self._agent()
+        if link is None:
+            return self.fallback.flush(timeout_s)
+        got = self._call(link, timeout_s + 1.0, {"op": "flush", "timeout_s": timeout_s})
+        return bool(got and got[0])
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key is stored (False for all when the agent does not answer)."""
+        keys = list(keys)
+        link = self._agent()
+        if link is None:
+            return self.fallback.contains(keys)
+        got = self._call(link, self.timeout_s * 2, {"op": "contains", "keys": [str(k) for k in keys]})
+        return [bool(c) for c in got[0]] if got is not None else [False] * len(keys)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Delete keys (on the shards through the agent, or the fallback's); how many existed."""
+        keys = list(keys)
+        with self._lock:
+            for k in keys:
+                self._objects.pop(k, None)
+        link = self._agent()
+        if link is None:
+            return self.fallback.delete(keys)
+        got = self._call(link, self.timeout_s * 2, {"op": "delete", "keys": [str(k) for k in keys]})
+        return int(got[0]) if got is not None else 0
+
+    def stats(self) -> dict:
+        """``{'client': this client's counters, 'agent': {...}, 'shards': {...}}``: the agent's
+        client statistics when it is up (its counters under ``agent.client``), the
+        fallback's otherwise."""
+        link = self._link
+        got = self._call(link, self.timeout_s * 2, {"op": "stats"}) if link is not None else None
+        inner = got[0] if got is not None else self.fallback.stats()
+        with self._lock:
+            client = dict(self.counters)
+        return {"client": client, "shards": inner.get("shards", {}),
+                "agent": {"up": link is not None, "pid": link.pid if link else None,
+                          "client": inner.get("client", {})}}
+
+    def close(self) -> None:
+        """Stop the agent and the fetch threads; the fallback is not closed (it is shared)."""
+        with self._lock:
+            self._closed = True
+            link, self._link = self._link, None
+        if link is not None:
+            link.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _agent_env() -> dict[str, str]:
+    """The agent's environment: this process's, with the project on ``PYTHONPATH`` (vLLM may
+    have been started from another directory than the one kvblend is importable from)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
