@@ -131,6 +131,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cluster.cache.factory import make_client
 from cluster.vllm.affinity import all_cpus, unpin_thread
+from cluster.vllm.compat import KVBlendHooksMixin
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata
 from cluster.vllm.metrics import Counters, KVBlendConnectorStats, KVBlendPromMetrics
@@ -152,7 +153,7 @@ __all__ = ["AllRanksLookup", "KVBlendConnector", "KVBlendConnectorMetadata"]
 log = logging.getLogger("kvblend.connector")
 
 
-class KVBlendConnector(KVConnectorBase_V1):
+class KVBlendConnector(KVBlendHooksMixin, KVConnectorBase_V1):
     """CacheBlend + prefix reuse over the kvblend chunk store (see the module docstring).
 
     vLLM builds one per role: ``connector_scheduler`` (a :class:`KVBlendScheduler`) is set in

@@ -90,6 +90,7 @@ class _ReqState:
     token_ids: tuple[int, ...]
     plan: BlendPlan | None = None
     prefix_hits: list[ChunkKey] = field(default_factory=list)  # leading cached prefix chunks
+    prefix_tiers: list[str] = field(default_factory=list)      # tier that answered each of them
     claim_start: int = 0
     claim_end: int = 0
     store_segments: list[tuple[ChunkKey, tuple[int, ...]]] = field(default_factory=list)
@@ -272,6 +273,7 @@ class KVBlendScheduler:
         # vLLM computes >= 1 token: load whole chunks ending before the last token.
         hits = min(hits, (n - 1) // chunk) if load else 0
         state.prefix_hits = keys[:hits]
+        state.prefix_tiers = [str(getattr(m, "tier", "") or "") for m in metas[:hits]]
         state.claim_end = hits * chunk
         if state.claim_end:
             path = "prefix"
@@ -283,6 +285,24 @@ class KVBlendScheduler:
         self._events.write("lookup", request_id=rid, path=path, num_tokens=n,
                            num_prefix_chunks=len(keys), num_prefix_hits=hits,
                            num_store_prefix=len(state.store_prefix))
+
+    def cache_hits(self, request_id: str) -> tuple[int, list[tuple[int, int, str]]]:
+        """``(claim start, [(start, end, tier), ...])``: the cached spans of the request's claim
+        (hit chunk segments, or leading prefix chunks) and the tier that answered each lookup
+        (:func:`cluster.vllm.compat.cache_hit_sources`).
+
+        Raises:
+            KeyError: no lookup state for ``request_id``.
+        """
+        state = self._requests[request_id]
+        if state.plan is not None and state.plan.blend:
+            return state.claim_start, [(s.start, s.end, s.tier) for s in state.plan.hit_segments]
+        chunk = self.config.tiers.chunk_size
+        return state.claim_start, [(i * chunk, (i + 1) * chunk, tier) for i, tier in enumerate(state.prefix_tiers)]
+
+    def forget_stored_keys(self) -> None:
+        """Forget which keys were scheduled for storing (``reset_cache`` deleted them)."""
+        self._store_keys.clear()
 
     def _new_store_keys(self, items):
         """Keep the items whose key was never scheduled for storing (dedup, bounded)."""

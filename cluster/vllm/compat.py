@@ -1,0 +1,218 @@
+"""Connector hooks whose vLLM defaults are wrong for kvblend, ready to mix into the connector.
+
+vLLM 0.32 and 0.33 have the same connector API apart from three sleep-mode hooks (issue #21;
+``docs/vllm-versions.md`` lists every hook, who calls it, and what kvblend does with it). Three
+optional hooks of both versions have defaults that do not fit a shared, best-effort chunk store;
+:class:`KVBlendHooksMixin` overrides them. :class:`KVBlendHMAMixin` is vLLM's ``SupportsHMA`` for
+a single KV cache group, kept here unadopted until the connector loads into several groups.
+
+Adopting them in :class:`cluster.vllm.connector.KVBlendConnector` (the doc gives the exact
+lines)::
+
+    class KVBlendConnector(KVBlendHooksMixin, KVConnectorBase_V1): ...
+
+:class:`KVBlendHooksMixin` reads the connector's ``connector_scheduler`` (with the
+``cache_hits`` and ``forget_stored_keys`` methods the doc gives for
+:class:`cluster.vllm.scheduler.KVBlendScheduler`), ``client``, ``namespace_digest`` and
+``enabled``. Like every hook of the connector, none of these raises for the cache's sake.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvblend.connector")
+
+#: Our tier names (``Segment.tier``, a lookup's ``ChunkMeta.tier``) -> vLLM's hit sources.
+#: Redis and S3 are remote stores: vLLM's ``external_unspecified`` ("uninstrumented connector
+#: or remote store", vllm/v1/metrics/cache_hit_source.py). A shard on another node is still
+#: host memory or disk: tiers are named by medium.
+TIER_SOURCES = {"gpu": CacheHitSource.DEVICE, "host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+def cache_hit_sources(claim_start: int, num_external_tokens: int,
+                      hits: Iterable[tuple[int, int, str]]) -> dict[CacheHitSource, int]:
+    """Split a claim's tokens by the tier that supplied them, as vLLM's hit metrics want.
+
+    The claim is ``[claim_start, claim_start + num_external_tokens)``; each hit ``(start, end,
+    tier)`` (prompt token indices) counts its overlap with it under ``TIER_SOURCES[tier]``.
+    Claimed tokens no cached chunk covers (separators, the system prompt, missed segments
+    that the blend computes) count as ``external_unspecified``::
+
+        | sys | sep | chunk A (host) | sep | chunk B (disk) | query |
+              ^claim_start                                  ^claim_start + n
+              [unspec][  HOST      ][unsp][   DISK        ]
+
+    Returns:
+        Non-zero counts only, summing to ``num_external_tokens`` (``{}`` for 0), as
+        ``KVConnectorBase_V1.get_external_cache_hit_sources`` requires.
+
+    Raises:
+        ValueError: ``num_external_tokens`` < 0, or hits that overlap each other.
+    """
+    if num_external_tokens < 0:
+        raise ValueError(f"num_external_tokens={num_external_tokens} < 0")
+    claim_end = claim_start + num_external_tokens
+    out: dict[CacheHitSource, int] = {}
+    covered, last_end = 0, None
+    for start, end, tier in sorted(hits):
+        if last_end is not None and start < last_end:
+            raise ValueError(f"overlapping hits at token {start}")
+        last_end = end
+        n = max(0, min(end, claim_end) - max(start, claim_start))
+        if n:
+            source = TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + n
+            covered += n
+    if num_external_tokens > covered:
+        out[CacheHitSource.EXTERNAL_UNSPECIFIED] = (out.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0)
+                                                    + num_external_tokens - covered)
+    return out
+
+
+def clear_namespaces(client: Any, digests: list[str]) -> int | None:
+    """Delete every chunk of ``digests`` from the store's shards (host and disk, as
+    ``kvblend clear --namespace``); shared tiers (Redis, S3) are left alone.
+
+    Returns:
+        Chunks deleted (shards that do not answer are skipped), or None when ``client``
+        cannot clear (the machine-local and agent clients have no ``clear``).
+
+    Raises:
+        Whatever the client's ``clear`` raises (the caller logs it).
+    """
+    clear = getattr(client, "clear", None)
+    if clear is None:
+        return None
+    return sum(int(clear(digest)) for digest in digests)
+
+
+class KVBlendHooksMixin:
+    """``requires_kv_delivery``, ``get_external_cache_hit_sources`` and ``reset_cache`` for
+    :class:`cluster.vllm.connector.KVBlendConnector` (same in vLLM 0.32 and 0.33)."""
+
+    connector_scheduler: Any    # KVBlendScheduler (None in the worker role), with cache_hits()
+    client: Any                 # the cache client, an AllRanksLookup (``digests``) under TP
+    namespace_digest: str
+    enabled: bool
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvblend is a best-effort cache (vLLM's default is True for ``kv_both``).
+
+        When: read once, by ``Scheduler.__init__`` (scheduler process). True makes vLLM drop,
+        and sample again, the in-flight tokens of every request it preempts under async
+        scheduling (``Scheduler._preempt_request(drop_stale_output=True)``), to protect a
+        hand-off that reads the request's blocks after the step. Ours never does: prefix
+        chunks are gathered in the same step's ``wait_for_save`` and canonical segments are
+        computed from token ids, so a preempted request's blocks are not read again.
+        """
+        return False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's ``external_prefix_cache_hits`` by tier (``host``, ``disk``, the rest
+        ``external_unspecified``; :func:`cache_hit_sources`). vLLM's default files every token
+        under ``external_unspecified`` ("subclasses must set HOST/DISK/P2P or override").
+
+        When: in ``Scheduler.schedule()``, right after :meth:`update_state_after_alloc` of a
+        newly admitted request whose claim vLLM kept (``num_external_tokens`` > 0, not a
+        preempted request), only when stats are logged. Where: scheduler process, busy-loop
+        thread. Never: raise (any failure files everything as ``external_unspecified``).
+        """
+        if num_external_tokens <= 0:
+            return {}
+        try:
+            claim_start, hits = self.connector_scheduler.cache_hits(request.request_id)
+            return cache_hit_sources(claim_start, num_external_tokens, hits)
+        except Exception as e:  # noqa: BLE001 - metrics never fail a request
+            log.debug("kvblend: hit sources of %s unknown (%s: %s)", request.request_id, type(e).__name__, e)
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+
+    def reset_cache(self) -> bool | None:
+        """Delete this engine's namespaces from the shards (what ``kvblend clear --namespace``
+        does) and forget which chunks this process already scheduled for storing; True when
+        the shards were asked. Shared tiers (Redis, S3) and the workers' gpu tiers keep their
+        copies: the log line says so.
+
+        When: ``Scheduler.reset_prefix_cache(reset_connector=True)``, i.e. on every
+        ``pause_generation(clear_cache=True)`` (the default), ``sleep(level >= 1)``,
+        ``release_kv_cache_memory()`` (``EngineCore._reset_caches``) and
+        ``LLM.reset_prefix_cache(reset_connector=True)`` / ``POST
+        /reset_prefix_cache?reset_external=true``; around a weight update, so KV computed with
+        the old weights must not be served afterwards (our namespace does not change with
+        weights updated in place). Where: scheduler process, the engine core's thread, with
+        the scheduler paused. Never: return False — ``EngineCore._reset_caches`` turns it into
+        ``RuntimeError("Failed to reset the KV connector cache.")`` and pause/sleep fail;
+        a store that cannot be cleared answers None (vLLM's "not implemented", taken as
+        success) with a warning naming the command that clears it.
+        """
+        if not self.enabled or self.connector_scheduler is None:
+            return True  # nothing of ours is cached by this connector
+        digests = list(getattr(self.client, "digests", None) or [self.namespace_digest])
+        try:
+            self.connector_scheduler.forget_stored_keys()
+            deleted = clear_namespaces(self.client, digests)
+        except Exception as e:  # noqa: BLE001 - a reset never fails pause/sleep for the cache's sake
+            log.warning("kvblend: reset_cache failed (%s: %s): chunks of namespace %s may outlive a "
+                        "weight update; run `kvblend clear --namespace %s`", type(e).__name__, e,
+                        self.namespace_digest, self.namespace_digest)
+            return None
+        if deleted is None:
+            log.warning("kvblend: reset_cache: this cache client cannot clear; chunks of namespace %s "
+                        "stay (run `kvblend clear --namespace %s`)", self.namespace_digest, self.namespace_digest)
+            return None
+        log.info("kvblend: reset_cache deleted %d chunk(s) of namespace(s) %s from the shards; "
+                    "Redis/S3 and the workers' gpu tiers were not cleared (`kvblend clear --shared`)",
+                    deleted, ", ".join(digests))
+        return True
+
+
+def hybrid_refusal(kv_cache_config: KVCacheConfig | None) -> str | None:
+    """Why kvblend cannot serve ``kv_cache_config`` (None: it can): the connector loads into
+    and stores from one KV cache group; vLLM's hybrid KV cache manager makes one group per
+    kind of layer (full attention, sliding window, Mamba) of a hybrid model."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) <= 1:
+        return None
+    kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+    return (f"the model has {len(groups)} KV cache groups ({kinds}) and kvblend handles one: "
+            "start vLLM with --disable-hybrid-kv-cache-manager")
+
+
+class KVBlendHMAMixin(SupportsHMA):
+    """vLLM's ``SupportsHMA`` for a connector that handles one KV cache group. NOT adopted
+    (``docs/vllm-versions.md``): without it vLLM turns the hybrid KV cache manager off by itself
+    and every model it starts has one group; with it, hybrid models get several groups and the
+    connector must stay idle for them (:func:`hybrid_refusal` in its ``__init__``).
+
+    Expects the connector's ``request_finished`` and ``enabled``.
+    """
+
+    enabled: bool
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with the request's only group.
+
+        When: exactly once per request, when it finishes or is aborted, before its blocks are
+        freed; ``Scheduler._connector_finished`` calls it instead of ``request_finished`` when
+        ``isinstance(connector, SupportsHMA)``, with one block-id list per KV cache group
+        (``block_ids`` of the computed tokens). Where: scheduler process, busy-loop thread.
+
+        Raises:
+            RuntimeError: several groups reach a connector that is not idle (its ``__init__``
+                must have refused them with :func:`hybrid_refusal`).
+        """
+        if len(block_ids) > 1 and self.enabled:
+            raise RuntimeError(f"kvblend handles one KV cache group, got {len(block_ids)}: "
+                               "the connector should have stayed idle (hybrid_refusal)")
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])

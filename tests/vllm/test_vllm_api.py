@@ -1,0 +1,366 @@
+"""KVBlendConnector against vLLM's KV connector API, of the installed 0.32 and of 0.33.
+
+vLLM 0.33.0 is a CUDA build pinning torch 2.14, which cannot be imported here: its API is read
+from the wheel's source by ``tests/vllm/extract_api.py`` (``ast``) into ``vllm_0_33_api.json``;
+0.32's is read the same way from the installed package, so both are compared alike. Each
+check runs against both versions:
+
+* every abstract method of ``KVConnectorBase_V1`` is ours, and every method we override keeps
+  vLLM's signature (kind, positional parameter names and order, defaults, ``**kwargs``);
+* the constructor takes what ``KVConnectorFactory`` passes, and the factory loads us from
+  ``kv_connector_module_path`` (run for real on 0.32; 0.33's loading code is the same);
+* ``docs/vllm-versions.md``'s hook table lists every hook of both versions, says which exist
+  and which are abstract in each, and what kvblend does: ``implements`` and ``adopts`` hooks
+  must be overridden by the connector, ``inherits`` hooks must not be. An ``adopts`` hook is
+  one the connector still lacks (its implementation waits in :mod:`cluster.vllm.compat`), so
+  :func:`test_adopted_hooks_are_implemented` fails, naming it, until it is integrated.
+
+The compat shims themselves are tested at the end, with stand-ins for the connector's halves.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import pathlib
+import re
+from types import SimpleNamespace
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from cluster.vllm import compat
+from cluster.vllm.connector import KVBlendConnector
+from cluster.vllm.metrics import KVBlendConnectorStats, KVBlendPromMetrics
+from tests.vllm.extract_api import extract
+
+HERE = pathlib.Path(__file__).resolve().parent
+DOC = HERE.parents[1] / "docs" / "vllm-versions.md"
+API_FILES = {"0.33": HERE / "vllm_0_33_api.json"}
+VERSIONS = ("0.32", "0.33")
+OUR_PACKAGES = ("cluster", "blend", "tiers")
+HOOK_CLASSES = ("KVConnectorBase_V1", "SupportsHMA")
+DECISIONS = ("implements", "adopts", "inherits")
+POSITIONAL = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
+
+
+@functools.cache
+def api(version: str) -> dict:
+    """The API description of vLLM ``version``: the installed package's, read now, or the JSON."""
+    if version == "0.32":
+        root = pathlib.Path(importlib.util.find_spec("vllm").submodule_search_locations[0]).parent
+        out = extract(root)
+        assert out["vllm_version"].startswith("0.32"), f"installed vLLM is {out['vllm_version']}"
+        return out
+    return json.loads(API_FILES[version].read_text(encoding="utf-8"))
+
+
+def hooks(version: str) -> dict[str, tuple[str, dict]]:
+    """Public methods of the base class and SupportsHMA: ``{name: (class, method)}``."""
+    return {name: (cls, m) for cls in HOOK_CLASSES
+            for name, m in api(version)["classes"][cls]["methods"].items() if not name.startswith("_")}
+
+
+@functools.cache
+def doc_table() -> dict[str, list[str]]:
+    """``{hook: [0.32 cell, 0.33 cell, kvblend cell]}`` from the doc's hook table."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split("## Hook table", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.fullmatch(r"`(\w+)`", cells[0]) if line.startswith("|") else None
+        if match:
+            assert len(cells) == 4, f"doc row for {match[1]} has {len(cells)} cells, not 4"
+            assert match[1] not in rows, f"doc lists {match[1]} twice"
+            rows[match[1]] = cells[1:]
+    return rows
+
+
+def decision(hook: str) -> str:
+    word = re.sub(r"[^a-z]", "", doc_table()[hook][2].split()[0].lower())
+    assert word in DECISIONS, f"doc: {hook}'s kvblend cell must start with one of {DECISIONS}"
+    return word
+
+
+def definer(cls: type, name: str) -> type | None:
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+
+def is_ours(cls: type, name: str) -> bool:
+    """Whether ``cls`` gets ``name`` from our code (connector, halves, compat mixins)."""
+    owner = definer(cls, name)
+    return owner is not None and owner.__module__.split(".")[0] in OUR_PACKAGES
+
+
+def our_kind_and_params(cls: type, name: str) -> tuple[str, list[inspect.Parameter]]:
+    """``(kind, parameters without self/cls)`` of ``cls.name`` as defined in our class."""
+    obj = vars(definer(cls, name))[name]
+    if isinstance(obj, property):
+        kind, fn = "property", obj.fget
+    elif isinstance(obj, classmethod):
+        kind, fn = "classmethod", obj.__func__
+    elif isinstance(obj, staticmethod):
+        return "staticmethod", list(inspect.signature(obj.__func__).parameters.values())
+    else:
+        kind, fn = "method", obj
+    return kind, list(inspect.signature(fn).parameters.values())[1:]
+
+
+def signature_problems(cls: type, name: str, spec: dict) -> list[str]:
+    """Ways ``cls.name`` (ours) cannot stand in for vLLM's method ``spec``; empty when it can."""
+    kind, ours = our_kind_and_params(cls, name)
+    if kind != spec["kind"]:
+        return [f"{name}: a {kind}, vLLM's is a {spec['kind']}"]
+    theirs = spec["params"] if kind == "staticmethod" else spec["params"][1:]
+    problems = []
+    their_pos = [p for p in theirs if p["kind"] in POSITIONAL]
+    our_pos = [p for p in ours if p.kind.name in POSITIONAL]
+    if [p.name for p in our_pos[:len(their_pos)]] != [p["name"] for p in their_pos]:
+        problems.append(f"{name}: positional parameters {[p.name for p in our_pos]}, "
+                        f"vLLM passes {[p['name'] for p in their_pos]}")
+    problems += [f"{name}: extra parameter {p.name} has no default" for p in our_pos[len(their_pos):]
+                 if p.default is inspect.Parameter.empty]
+    by_name = {p.name: p for p in ours}
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours)
+    for p in theirs:
+        mine = by_name.get(p["name"])
+        if p["kind"] in ("VAR_POSITIONAL", "VAR_KEYWORD"):
+            if not any(q.kind.name == p["kind"] for q in ours):
+                problems.append(f"{name}: vLLM's takes {'*' if p['kind'] == 'VAR_POSITIONAL' else '**'}"
+                                f"{p['name']}, ours does not")
+        elif mine is None and not (p["kind"] == "KEYWORD_ONLY" and var_kw):
+            problems.append(f"{name}: no parameter {p['name']}")
+        elif mine is not None and p["default"] is not None and mine.default is inspect.Parameter.empty:
+            problems.append(f"{name}: {p['name']} has a default in vLLM ({p['default']}), none in ours")
+    problems += [f"{name}: keyword-only {p.name} has no default" for p in ours
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+                 and p.name not in {q["name"] for q in theirs}]
+    return problems
+
+
+# ================================================================ the connector, per version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_abstract_methods_are_implemented(version):
+    abstract = [name for name, (cls, m) in hooks(version).items() if cls == "KVConnectorBase_V1" and m["abstract"]]
+    assert abstract, "no abstract method found: extract_api.py no longer reads the base class"
+    missing = [name for name in abstract if not is_ours(KVBlendConnector, name)]
+    assert not missing, f"vLLM {version}: KVBlendConnector does not implement abstract {missing}"
+    assert not KVBlendConnector.__abstractmethods__  # and, for the installed 0.32, Python agrees
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_overrides_keep_vllms_signatures(version):
+    overridden = [name for name in hooks(version) if is_ours(KVBlendConnector, name)]
+    problems = [p for name in overridden for p in signature_problems(KVBlendConnector, name, hooks(version)[name][1])]
+    assert not problems, f"vLLM {version}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_constructor_takes_what_the_factory_passes(version):
+    factory = api(version)["factory"]
+    call = ast.parse(factory["constructor_call"], mode="eval")
+    args = [a.id for a in call.body.args]
+    assert args == ["config", "role", "kv_cache_config"] and not call.body.keywords
+    theirs = [p["name"] for p in api(version)["classes"]["KVConnectorBase_V1"]["methods"]["__init__"]["params"][1:]]
+    ours = list(inspect.signature(KVBlendConnector.__init__).parameters)[1:]
+    assert ours[:len(theirs)] == theirs == ["vllm_config", "role", "kv_cache_config"]
+    inspect.signature(KVBlendConnector).bind(*args)  # positionally, as create_connector calls it
+    assert set(factory["required_constructor_keywords"]) <= set(ours)
+
+
+def test_factory_loads_us_from_the_module_path():
+    """Run 0.32's own loading code; 0.33's is the same (the facts extract_api.py reads match)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert api("0.33")["factory"] == api("0.32")["factory"]
+    for module_path in ("cluster.connector", "cluster.vllm.connector"):
+        config = KVTransferConfig(kv_connector="KVBlendConnector", kv_connector_module_path=module_path,
+                                  kv_role="kv_both")
+        assert KVConnectorFactory.get_connector_class(config) is KVBlendConnector
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_metrics_classes_implement_what_vllm_leaves_unimplemented(version):
+    for ours, base in ((KVBlendConnectorStats, "KVConnectorStats"), (KVBlendPromMetrics, "KVConnectorPromMetrics")):
+        methods = api(version)["classes"][base]["methods"]
+        todo = [n for n, m in methods.items() if (m["abstract"] or m["raises_not_implemented"]) and n != "__init__"]
+        missing = [n for n in todo if not is_ours(ours, n)]
+        assert not missing, f"vLLM {version}: {ours.__name__} lacks {missing}"
+        problems = [p for n, m in methods.items() if n != "__init__" and is_ours(ours, n)
+                    for p in signature_problems(ours, n, m)]
+        assert not problems, f"vLLM {version}:\n" + "\n".join(problems)
+
+
+# ================================================================ the doc's hook table
+
+
+def test_doc_table_lists_every_hook_of_both_versions():
+    known = set(hooks("0.32")) | set(hooks("0.33"))
+    rows = set(doc_table())
+    assert not known - rows, f"{DOC.name} lacks rows for {sorted(known - rows)}"
+    assert not rows - known, f"{DOC.name} lists hooks neither version has: {sorted(rows - known)}"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_doc_table_says_which_hooks_exist_and_are_abstract(version):
+    column = VERSIONS.index(version)
+    wrong = []
+    for hook, cells in doc_table().items():
+        cell, found = cells[column], hooks(version).get(hook)
+        absent = cell in ("—", "-", "")
+        if found is None and not absent or found is not None and absent:
+            wrong.append(f"{hook}: '{cell}' but it is {'absent' if found is None else 'present'}")
+        elif found is not None and ("abstract" in cell.lower()) != found[1]["abstract"]:
+            wrong.append(f"{hook}: '{cell}' but abstract={found[1]['abstract']}")
+    assert not wrong, f"{DOC.name}, column {version}:\n" + "\n".join(wrong)
+
+
+def test_doc_implements_and_inherits_match_the_connector():
+    wrong = []
+    for hook in doc_table():
+        word, ours = decision(hook), is_ours(KVBlendConnector, hook)
+        if word == "implements" and not ours:
+            wrong.append(f"{hook}: the doc says kvblend implements it; KVBlendConnector inherits vLLM's")
+        if word == "inherits" and ours:
+            wrong.append(f"{hook}: the doc says kvblend inherits vLLM's; KVBlendConnector overrides it")
+    hma = issubclass(KVBlendConnector, SupportsHMA)
+    if hma != (decision("request_finished_all_groups") != "inherits"):
+        wrong.append(f"request_finished_all_groups: KVBlendConnector is{'' if hma else ' not'} SupportsHMA")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_adopted_hooks_are_implemented():
+    """Fails until the hooks the doc marks ``adopts`` are integrated into the connector."""
+    missing = [hook for hook in doc_table() if decision(hook) == "adopts" and not is_ours(KVBlendConnector, hook)]
+    assert not missing, (f"KVBlendConnector lacks {missing}: mix in cluster.vllm.compat."
+                         f"KVBlendHooksMixin ({DOC.relative_to(HERE.parents[1])}, 'Integration')")
+
+
+def test_doc_names_the_033_wheel_and_quotes_vllms_hma_warning():
+    text = " ".join(DOC.read_text(encoding="utf-8").split())
+    assert api("0.33")["vllm_version"] == "0.33.0" and api("0.33")["sha256"] in text
+    for version in VERSIONS:
+        warning = " ".join(api(version)["hma"]["startup_warning"][0].split())
+        assert warning in text, f"{DOC.name} does not quote vLLM {version}'s HMA start-up warning"
+        assert api(version)["hma"]["supports_hma_returns"][0] == "issubclass(connector, SupportsHMA)"
+
+
+# ================================================================ cluster.vllm.compat
+
+
+def test_cache_hit_sources_split_the_claim_by_tier():
+    # | sys 0-8 | sep 8-10 | A 10-40 host | sep 40-42 | B 42-74 disk | sep 74-76 | C 76-90 redis | query
+    hits = [(10, 40, "host"), (42, 74, "disk"), (76, 90, "redis")]
+    assert compat.cache_hit_sources(0, 90, hits) == {
+        CacheHitSource.HOST: 30, CacheHitSource.DISK: 32,
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 10 + 2 + 2 + 14}
+    # vLLM's local prefix cache covered [0, 16) and vLLM kept 40 of the claimed tokens
+    assert compat.cache_hit_sources(16, 40, hits) == {CacheHitSource.HOST: 24, CacheHitSource.DISK: 14,
+                                                      CacheHitSource.EXTERNAL_UNSPECIFIED: 2}
+    assert compat.cache_hit_sources(0, 0, hits) == {}
+    with pytest.raises(ValueError):
+        compat.cache_hit_sources(0, 10, [(0, 8, "host"), (4, 10, "disk")])
+
+
+class _Scheduler:
+    """The two methods of the scheduler half the mixin calls (docs/vllm-versions.md)."""
+
+    def __init__(self, hits=None) -> None:
+        self.hits, self.forgotten = hits, 0
+
+    def cache_hits(self, request_id):
+        if self.hits is None:
+            raise KeyError(request_id)
+        return self.hits
+
+    def forget_stored_keys(self):
+        self.forgotten += 1
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.cleared = []
+
+    def clear(self, namespace):
+        self.cleared.append(namespace)
+        return 3
+
+
+class _Hooked(compat.KVBlendHooksMixin, KVConnectorBase_V1):
+    """Enough of KVBlendConnector for the mixin (no vLLM config)."""
+
+    def __init__(self, scheduler, client, enabled=True) -> None:  # noqa: D107 - no super(): no VllmConfig
+        self.connector_scheduler, self.client, self.enabled = scheduler, client, enabled
+        self.namespace_digest = "0123456789abcdef"
+
+    start_load_kv = wait_for_layer_load = save_kv_layer = wait_for_save = None
+    get_num_new_matched_tokens = update_state_after_alloc = build_connector_meta = None
+
+
+def test_hooks_mixin_overrides_vllms_defaults():
+    request = SimpleNamespace(request_id="r1")
+    hooked = _Hooked(_Scheduler((0, [(10, 40, "host")])), _Client())
+    assert hooked.requires_kv_delivery is False
+    assert hooked.get_external_cache_hit_sources(request, 40) == {CacheHitSource.HOST: 30,
+                                                                  CacheHitSource.EXTERNAL_UNSPECIFIED: 10}
+    assert hooked.get_external_cache_hit_sources(request, 0) == {}
+    broken = _Hooked(_Scheduler(None), _Client())  # a lookup it cannot answer: vLLM's default
+    assert broken.get_external_cache_hit_sources(request, 7) == {CacheHitSource.EXTERNAL_UNSPECIFIED: 7}
+
+
+def test_reset_cache_clears_our_namespaces_and_never_answers_false():
+    hooked = _Hooked(_Scheduler(), _Client())
+    assert hooked.reset_cache() is True
+    assert hooked.client.cleared == ["0123456789abcdef"] and hooked.connector_scheduler.forgotten == 1
+    under_tp = _Hooked(_Scheduler(), SimpleNamespace(digests=["a", "b"], clear=lambda ns: 1))
+    assert under_tp.reset_cache() is True
+    assert _Hooked(_Scheduler(), SimpleNamespace()).reset_cache() is None        # a client without clear
+    assert _Hooked(_Scheduler(), SimpleNamespace(clear=lambda ns: 1 / 0)).reset_cache() is None
+    assert _Hooked(None, None, enabled=False).reset_cache() is True               # idle / worker role
+
+
+class _Finisher(compat.KVBlendHMAMixin):
+    def __init__(self, enabled=True) -> None:
+        self.enabled, self.calls = enabled, []
+
+    def request_finished(self, request, block_ids):
+        self.calls.append(block_ids)
+        return True, None
+
+
+def test_hma_mixin_delegates_one_group_and_refuses_several():
+    one = _Finisher()
+    assert one.request_finished_all_groups("req", ([4, 5, 6],)) == (True, None) and one.calls == [[4, 5, 6]]
+    with pytest.raises(RuntimeError, match="one KV cache group"):
+        _Finisher().request_finished_all_groups("req", ([1], [2]))
+    idle = _Finisher(enabled=False)  # an idle connector only forgets the request
+    assert idle.request_finished_all_groups("req", ([1], [2])) == (True, None)
+    assert issubclass(_Finisher, SupportsHMA)
+
+
+def test_hybrid_refusal_names_the_flag():
+    full, window = type("FullAttentionSpec", (), {})(), type("SlidingWindowSpec", (), {})()
+    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full)])
+    two = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full), SimpleNamespace(kv_cache_spec=window)])
+    assert compat.hybrid_refusal(one) is None and compat.hybrid_refusal(None) is None
+    reason = compat.hybrid_refusal(two)
+    assert "FullAttentionSpec, SlidingWindowSpec" in reason and "--disable-hybrid-kv-cache-manager" in reason
+
+
+def test_extract_api_runs_as_a_script(tmp_path):
+    """The JSON is regenerated by the script (ROOT: an unzipped wheel or a site-packages)."""
+    root = pathlib.Path(importlib.util.find_spec("vllm").submodule_search_locations[0]).parent
+    out = tmp_path / "api.json"
+    assert importlib.import_module("tests.vllm.extract_api").main([str(root), "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert list(data)[:4] == ["vllm_version", "wheel", "sha256", "requires"]
+    assert data["classes"] == api("0.32")["classes"]
