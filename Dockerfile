@@ -1,4 +1,4 @@
-# kvblend image: the official vLLM 0.32 image (CUDA, PyTorch, vLLM) plus kvblend and the Ray
+# kvblend image: the official vLLM 0.33 image (CUDA, PyTorch, vLLM) plus kvblend and the Ray
 # version kvblend pins. Every pod of the Helm chart (helm/kvblend) runs this one image, so the
 # Ray and Python versions of the Ray head, the cache shards and the vLLM replicas match.
 #
@@ -6,7 +6,7 @@
 #
 # The CUDA build of torch and vLLM that the base image ships is kept: the install below is
 # constrained to the installed torch and vllm versions, so pip can never replace them.
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 FROM ${VLLM_IMAGE}
 
 # Must equal the ray pin in pyproject.toml (tests/helm checks it).

@@ -67,16 +67,19 @@ def test_parser_rejects_broken_files():
         parse_dockerfile('FROM x\nCMD ["a", \n')
 
 
-def test_dockerfile_parses_and_starts_from_the_vllm_032_image(dockerfile):
+def test_dockerfile_parses_and_starts_from_the_vllm_033_image(dockerfile):
+    """The image, the `gpu` extra and the chart's annotation name one vLLM release (0.33)."""
     kinds = [k for k, _ in dockerfile]
     assert kinds.index("FROM") == min(i for i, k in enumerate(kinds) if k != "ARG")
     assert kinds.count("FROM") == 1
     base = next(a for k, a in dockerfile if k == "FROM")
     base = re.sub(r"\$\{(\w+)\}", lambda m: _args(dockerfile)[m.group(1)], base)
-    assert base == "vllm/vllm-openai:v0.32.0"
+    assert base == "vllm/vllm-openai:v0.33.0"
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     gpu_pin = [d for d in pyproject["project"]["optional-dependencies"]["gpu"] if d.startswith("vllm")]
-    assert gpu_pin == ["vllm==0.32.*"] and base.endswith(":v0.32.0")
+    assert gpu_pin == ["vllm==0.33.*"] and base.endswith(":v0.33.0")
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["annotations"]["kvblend.io/vllm-version"] == "0.33.0"
 
 
 def test_ray_pin_equals_pyproject_and_chart(dockerfile):
