@@ -43,6 +43,7 @@ import torch
 from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.host_layers import RayHostLayers
+from cluster.cache.local import DeferredRead
 from cluster.cache.wire import AgentLink, WireError, recv_frame, send_frame
 from tiers.codec import DTYPE_NAMES, layer_tensor
 from tiers.format import FormatError, decode_layer, parse_header
@@ -320,15 +321,20 @@ class AgentClient:
                      layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
         """Every layer of ``keys`` in order (:func:`blend.protocols.fetch_in_order`); the
         fallback's while the agent is down. Raises ValueError for a negative layer index."""
-        if self._agent() is None:
-            return self.fallback.fetch_layers(keys, layer_idxs)
+        if self._agent() is None:  # each layer through fetch_layer when first asked for, as the fallback reads
+            keys = list(keys)
+            if any(i < 0 for i in layer_idxs):
+                raise ValueError(f"layer_idxs {list(layer_idxs)} must be >= 0")
+            return [DeferredRead(lambda i=i: self.fetch_layer(keys, i).result()) for i in layer_idxs]
         return fetch_in_order(self._pool.submit, self._fetch, keys, layer_idxs)
 
     def fetch_layer(self, keys: Sequence[ChunkKey], layer_idx: int) -> Future[list[torch.Tensor | None]]:
         """One layer (see :meth:`fetch_layers`)."""
         if layer_idx < 0:
             raise ValueError(f"layer_idx={layer_idx} must be >= 0")
-        return self.fetch_layers(keys, [layer_idx])[0]
+        if self._link is None:
+            return self.fallback.fetch_layer(keys, layer_idx)
+        return fetch_in_order(self._pool.submit, self._fetch, keys, [layer_idx])[0]
 
     def host_layers(self) -> RayHostLayers:
         """The mapped objects as a CUDA worker's staging reads them (misses while down)."""

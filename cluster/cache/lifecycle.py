@@ -56,10 +56,14 @@ def node_names(node_ids: list[str], timeout_s: float = 30.0) -> dict[str, str | 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    probe = ray.remote(num_cpus=0, max_retries=0)(_this_node_name)
-    refs = {nid: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
-            for nid in node_ids}
-    out: dict[str, str | None] = {}
+    out: dict[str, str | None] = dict.fromkeys(node_ids)
+    try:
+        probe = ray.remote(num_cpus=0, max_retries=0)(_this_node_name)
+        refs = {nid: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
+                for nid in node_ids}
+    except Exception as e:  # noqa: BLE001 - shards named by node id, as before node names
+        log.warning("could not ask the nodes for their names (%s); shards are named by node id", e)
+        return out
     deadline = time.monotonic() + timeout_s
     for nid, ref in refs.items():
         try:
@@ -142,7 +146,11 @@ def start_shards(config, timeout_s: float = 60.0, env_vars: dict[str, str] | Non
         not c.shard_resource or n.get("Resources", {}).get(c.shard_resource, 0) > 0)]
     names_by_node = node_names([n["NodeID"] for n in nodes], min(timeout_s, 30.0))
     alive_ids = {n["NodeID"][:8] for n in ray.nodes() if n.get("Alive")}
-    existing = shard_names(c.ray_namespace)
+    try:
+        existing = shard_names(c.ray_namespace)
+    except Exception as e:  # noqa: BLE001 - no predecessors retired this time
+        log.warning("could not list the shards of %s (%s)", c.ray_namespace, e)
+        existing = []
     for node in nodes:
         node_id = node["NodeID"]
         # The resource marks eligible nodes; placement itself is the node affinity. Each shard

@@ -143,7 +143,7 @@ class LocalCacheClient:
         keys = list(keys)
         if any(i < 0 for i in layer_idxs):
             raise ValueError(f"layer_idxs {list(layer_idxs)} must be >= 0")
-        return [_Deferred(lambda i=i: self.fetch_layer(keys, i).result()) for i in layer_idxs]
+        return [DeferredRead(lambda i=i: self.fetch_layer(keys, i).result()) for i in layer_idxs]
 
     def host_layers(self) -> TierLayers:
         """Where :class:`tiers.staging.StagedSource` copies this client's layers from (the
@@ -188,7 +188,7 @@ class LocalCacheClient:
             closer()
 
 
-class _Deferred(Future):
+class DeferredRead(Future):
     """A future whose work runs in the first thread that asks for its result."""
 
     def __init__(self, work) -> None:
