@@ -19,7 +19,8 @@ lookup. End of stream (the vLLM process exited) ends the agent at once.
 Operations: ``lookup`` (keys -> ``[num_tokens, position runs, tier]`` or null), ``objects``
 (keys -> each mapped chunk object's bytes as a buffer: the agent holds it zero-copy from the
 node's object store and the copy into the socket is the only one), ``contains``, ``delete``,
-``put`` (one ``[L, 2, T, H, D]`` tensor as a buffer), ``flush``, ``stats``.
+``clear`` (a namespace on every shard), ``put`` (one ``[L, 2, T, H, D]`` tensor as a buffer),
+``flush``, ``stats``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ log = logging.getLogger("kvblend.agent")
 #: threads answering requests (lookups, object reads and puts run side by side)
 WORKERS = 8
 #: operations answered one at a time in arrival order
-ORDERED_OPS = frozenset({"put", "flush", "delete"})
+ORDERED_OPS = frozenset({"put", "flush", "delete", "clear"})
 
 
 def _all_cpus() -> None:
@@ -157,6 +158,8 @@ class Agent:
             return client.flush(float(message["timeout_s"])), []
         if op == "stats":
             return client.stats(), []
+        if op == "clear":
+            return client.clear(message.get("namespace")), []
         raise ValueError(f"unknown agent op {op!r}")
 
 

@@ -412,6 +412,24 @@ class AgentClient:
         got = self._call(link, self.timeout_s * 2, {"op": "delete", "keys": [str(k) for k in keys]})
         return int(got[0]) if got is not None else 0
 
+    def clear(self, namespace: str | None = None) -> int:
+        """Delete every chunk of ``namespace`` (all when None) on every shard through the agent
+        (``reset_cache``, ``kvblend clear``), and from the fallback; how many the shards deleted.
+
+        Returns 0 when the agent does not answer within ``call_timeout_s`` x 10 (counted)."""
+        with self._lock:
+            self._objects.clear()
+        tier = getattr(self.fallback, "tier", None)  # the machine-local copies, as a shard clears
+        if tier is not None and callable(getattr(tier, "keys", None)):
+            stale = [k for k in tier.keys() if namespace is None or k.namespace == namespace]
+            if stale:
+                self.fallback.delete(stale)
+        link = self._agent()
+        if link is None:
+            return 0
+        got = self._call(link, self.timeout_s * 10, {"op": "clear", "namespace": namespace})
+        return int(got[0]) if got is not None else 0
+
     def stats(self) -> dict:
         """``{'client': this client's counters, 'agent': {...}, 'shards': {...}}``: the agent's
         client statistics when it is up (its counters under ``agent.client``), the

@@ -43,6 +43,12 @@ def shard_name(node_id: str, index: int, node_name: str | None = None) -> str:
     return f"{SHARD_PREFIX}{node_id[:8]}-{index}"
 
 
+def shard_node_id(name: str) -> str:
+    """The 8 hex digits of the Ray node id in a shard's name (either naming scheme)."""
+    rest = name.removeprefix(SHARD_PREFIX)
+    return rest.rsplit("@", 1)[1].rsplit("-", 1)[0] if "@" in rest else rest.rsplit("-", 1)[0]
+
+
 def _this_node_name() -> str:
     from cluster.cache.identity import node_name
 
@@ -82,8 +88,7 @@ def _retire_predecessors(name: str, existing: list[str], alive_ids: set[str], na
     for other in existing:
         if other == name or placement_name(other) != placement_name(name):
             continue
-        node_part = other.rsplit("@", 1)[-1].rsplit("-", 1)[0]
-        if node_part in alive_ids:
+        if shard_node_id(other) in alive_ids:
             log.warning("shards %s and %s share the node name: set KVBLEND_NODE_NAME per cache node", other, name)
             continue
         h = get_shard(other, namespace)
@@ -188,7 +193,7 @@ def stop_shards(namespace: str, node: str | None = None, drain: bool = False,
 
     stopped = []
     for name in shard_names(namespace):
-        if node is not None and not (name.startswith(f"{SHARD_PREFIX}{node[:8]}-") or f"@{node[:8]}-" in name):
+        if node is not None and shard_node_id(name) != node[:8]:
             continue
         h = get_shard(name, namespace)
         if h is None:

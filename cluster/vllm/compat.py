@@ -1,18 +1,19 @@
-"""Connector hooks whose vLLM defaults are wrong for kvblend, ready to mix into the connector.
+"""Connector hooks of vLLM whose defaults are wrong for kvblend, mixed into the connector.
 
 vLLM 0.32 and 0.33 have the same connector API apart from three sleep-mode hooks (issue #21;
 ``docs/vllm-versions.md`` lists every hook, who calls it, and what kvblend does with it). Three
 optional hooks of both versions have defaults that do not fit a shared, best-effort chunk store;
-:class:`KVBlendHooksMixin` overrides them. :class:`KVBlendHMAMixin` is vLLM's ``SupportsHMA`` for
-a single KV cache group, kept here unadopted until the connector loads into several groups.
+:class:`KVBlendHooksMixin` overrides them (and documents why ``handle_preemptions`` has nothing
+to do). :class:`KVBlendHMAMixin` is vLLM's ``SupportsHMA`` for a single KV cache group;
+:func:`refuse_hybrid` keeps the connector idle when a hybrid model gets several.
+:func:`mark_no_prefix_read` turns loading off for the requests vLLM computes whole.
 
-Adopting them in :class:`cluster.vllm.connector.KVBlendConnector` (the doc gives the exact
-lines)::
+:class:`cluster.vllm.connector.KVBlendConnector` adopts both mixins::
 
-    class KVBlendConnector(KVBlendHooksMixin, KVConnectorBase_V1): ...
+    class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1): ...
 
 :class:`KVBlendHooksMixin` reads the connector's ``connector_scheduler`` (with the
-``cache_hits`` and ``forget_stored_keys`` methods the doc gives for
+``cache_hits`` and ``forget_stored_keys`` methods of
 :class:`cluster.vllm.scheduler.KVBlendScheduler`), ``client``, ``namespace_digest`` and
 ``enabled``. Like every hook of the connector, none of these raises for the cache's sake.
 """
@@ -23,7 +24,11 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
@@ -80,20 +85,38 @@ def cache_hit_sources(claim_start: int, num_external_tokens: int,
 
 
 def clear_namespaces(client: Any, digests: list[str]) -> int | None:
-    """Delete every chunk of ``digests`` from the store's shards (host and disk, as
-    ``kvblend clear --namespace``); shared tiers (Redis, S3) are left alone.
+    """Delete every chunk of ``digests`` from the store (host and disk, as ``kvblend clear
+    --namespace``); shared tiers (Redis, S3) are left alone.
+
+    * the Ray client (``CacheClient.clear``): on every shard;
+    * the agent client (``AgentClient``, the connector's default): on every shard through
+      its agent (``clear``), and its machine-local ``fallback``;
+    * the machine-local client (``LocalCacheClient``): what its tier lists, as a shard does
+      (``CacheShard.clear``): a tier that clears by namespace (a ``TierStack``) or one that
+      lists its keys (host, disk).
 
     Returns:
-        Chunks deleted (shards that do not answer are skipped), or None when ``client``
-        cannot clear (the machine-local and agent clients have no ``clear``).
+        Chunks deleted (shards that do not answer are skipped), or None when some copies could
+        not be reached (the caller warns).
 
     Raises:
-        Whatever the client's ``clear`` raises (the caller logs it).
+        Whatever the client or tier raises (the caller logs it).
     """
     clear = getattr(client, "clear", None)
-    if clear is None:
+    if callable(clear):
+        return sum(int(clear(digest)) for digest in digests)
+    fallback = getattr(client, "fallback", None)
+    if fallback is not None:
+        deleted = clear_namespaces(fallback, digests)
+        return None if getattr(client, "up", False) else deleted
+    tier = getattr(client, "tier", None)
+    if tier is not None and callable(getattr(tier, "clear", None)):
+        return sum(int(tier.clear(digest)) for digest in digests)
+    if tier is None or not callable(getattr(tier, "keys", None)) or not callable(getattr(client, "delete", None)):
         return None
-    return sum(int(clear(digest)) for digest in digests)
+    wanted = set(digests)
+    keys = [k for k in tier.keys() if k.namespace in wanted]
+    return int(client.delete(keys)) if keys else 0
 
 
 class KVBlendHooksMixin:
@@ -117,6 +140,30 @@ class KVBlendHooksMixin:
         computed from token ids, so a preempted request's blocks are not read again.
         """
         return False
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Nothing: no KV of ours is in flight for a preempted request, so none can land in
+        blocks vLLM hands to another request (vLLM's offloading connector flushes its async
+        saves of the preempted blocks here).
+
+        When: every worker step, before the forward, with the step's metadata. Where:
+        worker, the model's thread. Why nothing, per kind of work:
+
+        * async blends run only for requests in ``WAITING_FOR_REMOTE_KVS``, and vLLM preempts
+          only running requests (``Scheduler._preempt_request`` asserts ``RUNNING``); an
+          aborted one is abandoned and reported in ``finished_recving`` before vLLM frees
+          its blocks;
+        * synchronous loads (prefix chunks, ``kvblend_load_async=False``) run to the end in
+          :meth:`start_load_kv` before the forward of the step that scheduled the request; a
+          preemption comes in a later ``schedule()``, and workers run steps in order;
+        * prefix chunks are gathered from the paged cache in :meth:`wait_for_save` of the
+          step whose forward computed them; canonical segments are computed from token ids.
+
+        A preempted request is asked :meth:`get_num_new_matched_tokens` again when resumed;
+        its claim is loaded again into its new blocks (``test_hooks.py::
+        test_preemption_under_memory_pressure_keeps_outputs``).
+        """
+        return
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """vLLM's ``external_prefix_cache_hits`` by tier (``host``, ``disk``, the rest
@@ -167,8 +214,9 @@ class KVBlendHooksMixin:
                         self.namespace_digest, self.namespace_digest)
             return None
         if deleted is None:
-            log.warning("kvblend: reset_cache: this cache client cannot clear; chunks of namespace %s "
-                        "stay (run `kvblend clear --namespace %s`)", self.namespace_digest, self.namespace_digest)
+            log.warning("kvblend: reset_cache: this cache client cannot clear the shards; chunks of "
+                        "namespace %s stay there (run `kvblend clear --namespace %s`)",
+                        self.namespace_digest, self.namespace_digest)
             return None
         log.info("kvblend: reset_cache deleted %d chunk(s) of namespace(s) %s from the shards; "
                     "Redis/S3 and the workers' gpu tiers were not cleared (`kvblend clear --shared`)",
@@ -188,11 +236,43 @@ def hybrid_refusal(kv_cache_config: KVCacheConfig | None) -> str | None:
             "start vLLM with --disable-hybrid-kv-cache-manager")
 
 
+def refuse_hybrid(kv_cache_config: KVCacheConfig | None, role: KVConnectorRole) -> bool:
+    """Whether the connector must stay idle for ``kv_cache_config`` (:func:`hybrid_refusal`).
+    The scheduler's connector says why in one warning; the workers' stay silent, so an engine
+    logs one line."""
+    reason = hybrid_refusal(kv_cache_config)
+    if reason is None:
+        return False
+    if role == KVConnectorRole.SCHEDULER:
+        log.warning("kvblend: %s; the connector stays idle", reason)
+    return True
+
+
+def mark_no_prefix_read(request: Request) -> bool:
+    """Give a request that vLLM computes whole ``kvblend_load=False``; True when it is one.
+
+    vLLM sets ``request.skip_reading_prefix_cache`` for prompt logprobs (and pooling) and then
+    zeroes whatever :meth:`get_num_new_matched_tokens` claims for it (``Scheduler.schedule``,
+    0.32 and 0.33). With ``kvblend_load=False`` the scheduler half claims nothing in the first
+    place, so its ``claim`` event says 0 and no load is planned; the lookup still runs, because
+    it decides which missed chunks the request stores (vLLM's offloading connectors also keep
+    storing such requests). The change is to ``request.kv_transfer_params`` (a copy: the
+    caller's ``SamplingParams`` are left alone), the per-request dict vLLM gives connectors.
+    """
+    if not getattr(request, "skip_reading_prefix_cache", False):
+        return False
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if params.get("kvblend_load", True) is not False:
+        request.kv_transfer_params = {**params, "kvblend_load": False}
+    return True
+
+
 class KVBlendHMAMixin(SupportsHMA):
-    """vLLM's ``SupportsHMA`` for a connector that handles one KV cache group. NOT adopted
-    (``docs/vllm-versions.md``): without it vLLM turns the hybrid KV cache manager off by itself
-    and every model it starts has one group; with it, hybrid models get several groups and the
-    connector must stay idle for them (:func:`hybrid_refusal` in its ``__init__``).
+    """vLLM's ``SupportsHMA`` for a connector that handles one KV cache group (adopted by
+    :class:`cluster.vllm.connector.KVBlendConnector`, ``docs/vllm-versions.md``): vLLM keeps its
+    hybrid KV cache manager on, models of one kind of attention layer still get one group, and
+    hybrid models get several, for which the connector stays idle (:func:`refuse_hybrid` in
+    its ``__init__``; ``--disable-hybrid-kv-cache-manager`` gives them one group and kvblend).
 
     Expects the connector's ``request_finished`` and ``enabled``.
     """

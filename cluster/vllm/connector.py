@@ -131,7 +131,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cluster.cache.factory import make_client
 from cluster.vllm.affinity import all_cpus, unpin_thread
-from cluster.vllm.compat import KVBlendHooksMixin
+from cluster.vllm.compat import (
+    KVBlendHMAMixin,
+    KVBlendHooksMixin,
+    mark_no_prefix_read,
+    refuse_hybrid,
+)
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata
 from cluster.vllm.metrics import Counters, KVBlendConnectorStats, KVBlendPromMetrics
@@ -153,11 +158,13 @@ __all__ = ["AllRanksLookup", "KVBlendConnector", "KVBlendConnectorMetadata"]
 log = logging.getLogger("kvblend.connector")
 
 
-class KVBlendConnector(KVBlendHooksMixin, KVConnectorBase_V1):
+class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
     """CacheBlend + prefix reuse over the kvblend chunk store (see the module docstring).
 
     vLLM builds one per role: ``connector_scheduler`` (a :class:`KVBlendScheduler`) is set in
     the scheduler's instance, ``connector_worker`` (a :class:`KVBlendWorker`) in each worker's.
+    It is ``SupportsHMA`` (vLLM keeps its hybrid KV cache manager on) and stays idle, with one
+    warning, for a model with several KV cache groups (:mod:`cluster.vllm.compat`).
 
     Raises:
         ValueError: a malformed ``kv_connector_extra_config`` key or config value (start-up
@@ -186,6 +193,8 @@ class KVBlendConnector(KVBlendHooksMixin, KVConnectorBase_V1):
             self.enabled = False
             log.warning("kvblend: pipeline_parallel_size=%d is not supported (a chunk holds every "
                         "layer); the connector stays idle", pp_size)
+        if self.enabled and refuse_hybrid(kv_cache_config, role):  # SupportsHMA: several groups
+            self.enabled = False
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.namespace = self._namespace(self._tp_rank(role))
         self.namespace_digest = self.namespace.digest()
@@ -284,10 +293,13 @@ class KVBlendConnector(KVBlendHooksMixin, KVConnectorBase_V1):
         this answer, marks it not yet loaded, and writes a ``claim`` event). Where: scheduler process, the engine core's busy-loop thread.
         Never: raise (a failed lookup answers ``(0, False)`` and counts a fallback), claim the
         last prompt token, or block beyond one batched lookup of the request's chunks (and,
-        on the first call, loading the tokenizer).
+        on the first call, loading the tokenizer). Requests vLLM computes whole
+        (``skip_reading_prefix_cache``: prompt logprobs, pooling) claim nothing and only store
+        (:func:`cluster.vllm.compat.mark_no_prefix_read`).
         """
         if not self.enabled:
             return 0, False
+        mark_no_prefix_read(request)  # prompt logprobs: vLLM computes the prompt, we only store
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -329,7 +341,8 @@ class KVBlendConnector(KVBlendHooksMixin, KVConnectorBase_V1):
         during memory profiling). Where: worker process, its main thread. Never: copy or
         resize the tensors (vLLM owns them).
         """
-        self.connector_worker.register_kv_caches(kv_caches)
+        if self.enabled:  # an idle connector (e.g. hybrid groups) never reads them
+            self.connector_worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Run this step's loads: synchronous ones to the end, async blends a slice.

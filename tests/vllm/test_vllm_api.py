@@ -12,8 +12,9 @@ check runs against both versions:
 * ``docs/vllm-versions.md``'s hook table lists every hook of both versions, says which exist
   and which are abstract in each, and what kvblend does: ``implements`` and ``adopts`` hooks
   must be overridden by the connector, ``inherits`` hooks must not be. An ``adopts`` hook is
-  one the connector still lacks (its implementation waits in :mod:`cluster.vllm.compat`), so
-  :func:`test_adopted_hooks_are_implemented` fails, naming it, until it is integrated.
+  one whose vLLM default is wrong or missing for kvblend; its implementation is a mixin of
+  :mod:`cluster.vllm.compat`, and :func:`test_adopted_hooks_are_implemented` names any the
+  connector does not mix in.
 
 The compat shims themselves are tested at the end, with stand-ins for the connector's halves.
 """
@@ -239,10 +240,10 @@ def test_doc_implements_and_inherits_match_the_connector():
 
 
 def test_adopted_hooks_are_implemented():
-    """Fails until the hooks the doc marks ``adopts`` are integrated into the connector."""
+    """The hooks the doc marks ``adopts`` are the connector's (mixed in from compat)."""
     missing = [hook for hook in doc_table() if decision(hook) == "adopts" and not is_ours(KVBlendConnector, hook)]
-    assert not missing, (f"KVBlendConnector lacks {missing}: mix in cluster.vllm.compat."
-                         f"KVBlendHooksMixin ({DOC.relative_to(HERE.parents[1])}, 'Integration')")
+    assert not missing, (f"KVBlendConnector lacks {missing}: mix in cluster.vllm.compat's "
+                         f"KVBlendHooksMixin / KVBlendHMAMixin ({DOC.relative_to(HERE.parents[1])}, 'Summary')")
 
 
 def test_doc_names_the_033_wheel_and_quotes_vllms_hma_warning():
@@ -326,6 +327,81 @@ def test_reset_cache_clears_our_namespaces_and_never_answers_false():
     assert _Hooked(_Scheduler(), SimpleNamespace()).reset_cache() is None        # a client without clear
     assert _Hooked(_Scheduler(), SimpleNamespace(clear=lambda ns: 1 / 0)).reset_cache() is None
     assert _Hooked(None, None, enabled=False).reset_cache() is True               # idle / worker role
+
+
+class _Tier:
+    """A tier that lists its keys (host, disk), as ``LocalCacheClient.tier``."""
+
+    def __init__(self, keys) -> None:
+        self._keys = list(keys)
+
+    def keys(self):
+        return list(self._keys)
+
+
+class _LocalClient:
+    """The machine-local client: a tier, ``delete``, no ``clear``."""
+
+    def __init__(self, keys) -> None:
+        self.tier = _Tier(keys)
+
+    def delete(self, keys):
+        keys = set(keys)
+        present = [k for k in self.tier._keys if k in keys]
+        self.tier._keys = [k for k in self.tier._keys if k not in keys]
+        return len(present)
+
+
+def test_clear_namespaces_reaches_the_local_and_agent_clients():
+    from tiers.keys import segment_key
+
+    ours, theirs = segment_key("0123456789abcdef", [1, 2]), segment_key("feedfacefeedface", [1, 2])
+    local = _LocalClient([ours, theirs])
+    assert compat.clear_namespaces(local, ["0123456789abcdef"]) == 1 and local.tier.keys() == [theirs]
+    assert compat.clear_namespaces(local, ["0123456789abcdef"]) == 0
+    stack = SimpleNamespace(tier=SimpleNamespace(clear=lambda ns: 2))  # a TierStack clears by namespace
+    assert compat.clear_namespaces(stack, ["a", "b"]) == 4
+    fallback = _LocalClient([ours])
+    agent_down = SimpleNamespace(fallback=fallback, up=False, delete=lambda keys: 0)
+    assert compat.clear_namespaces(agent_down, ["0123456789abcdef"]) == 1 and fallback.tier.keys() == []
+    fallback = _LocalClient([ours])
+    agent_up = SimpleNamespace(fallback=fallback, up=True, delete=lambda keys: 0)
+    assert compat.clear_namespaces(agent_up, ["0123456789abcdef"]) is None  # the shards are out of reach
+    assert fallback.tier.keys() == []  # but the fallback's copies are gone
+    assert compat.clear_namespaces(SimpleNamespace(delete=lambda keys: 0), ["x"]) is None
+
+
+def test_mark_no_prefix_read_turns_loading_off_for_requests_vllm_computes_whole():
+    scored = SimpleNamespace(skip_reading_prefix_cache=True, kv_transfer_params=None)
+    assert compat.mark_no_prefix_read(scored) and scored.kv_transfer_params == {"kvblend_load": False}
+    theirs = {"kvblend_recompute_ratio": 0.3}
+    scored = SimpleNamespace(skip_reading_prefix_cache=True, kv_transfer_params=theirs)
+    assert compat.mark_no_prefix_read(scored)
+    assert scored.kv_transfer_params == {"kvblend_recompute_ratio": 0.3, "kvblend_load": False}
+    assert theirs == {"kvblend_recompute_ratio": 0.3}  # the caller's dict is not changed
+    plain = SimpleNamespace(skip_reading_prefix_cache=False, kv_transfer_params=None)
+    assert not compat.mark_no_prefix_read(plain) and plain.kv_transfer_params is None
+    assert not compat.mark_no_prefix_read(SimpleNamespace())  # a request without the attribute
+
+
+def test_refuse_hybrid_warns_once_per_engine(caplog):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    full, window = type("FullAttentionSpec", (), {})(), type("SlidingWindowSpec", (), {})()
+    two = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full), SimpleNamespace(kv_cache_spec=window)])
+    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full)])
+    with caplog.at_level("WARNING", logger="kvblend.connector"):
+        assert compat.refuse_hybrid(two, KVConnectorRole.SCHEDULER) and compat.refuse_hybrid(two, KVConnectorRole.WORKER)
+        assert not compat.refuse_hybrid(one, KVConnectorRole.SCHEDULER) and not compat.refuse_hybrid(None, KVConnectorRole.WORKER)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "stays idle" in line and "--disable-hybrid-kv-cache-manager" in line
+
+
+def test_handle_preemptions_is_a_documented_no_op():
+    hooked = _Hooked(_Scheduler(), _Client())
+    assert hooked.handle_preemptions(None) is None
+    doc = compat.KVBlendHooksMixin.handle_preemptions.__doc__
+    assert "WAITING_FOR_REMOTE_KVS" in doc and "RUNNING" in doc
 
 
 class _Finisher(compat.KVBlendHMAMixin):

@@ -141,6 +141,9 @@ def test_client_that_fell_back_reconnects_when_shards_come(kvconfig, shards):
         assert client.flush(30)
         assert client.lookup([key])[0] is not None
         assert torch.equal(client.fetch_layer([key], 1).result(30)[0], kv[1])
+        # reset_cache's path: the agent clears the namespace on every shard
+        assert client.clear(NAMESPACE) >= 1  # its copies (host, disk)
+        assert client.lookup([key]) == [None]
     finally:
         client.close()
         stop_shards(cluster_cfg.ray_namespace)

@@ -114,11 +114,11 @@ def test_dead_owner_is_served_from_redis_and_redis_down_is_a_miss(redis_setup):
     # Redis comes back empty (no persistence): draining the live shard before removing its
     # node writes what it holds back into Redis, and the placement then finds it there
     redis.start()
-    from cluster.cache.lifecycle import stop_shards
+    from cluster.cache.lifecycle import shard_node_id, stop_shards
     from tiers.redis_tier import RedisTier
 
     live = next(n for n in names if n != dead)
-    stopped = stop_shards(cfg.cluster.ray_namespace, node=live.split("-")[2], drain=True)
+    stopped = stop_shards(cfg.cluster.ray_namespace, node=shard_node_id(live), drain=True)
     assert stopped == [live]
     held = [keys[i] for i in live_idx] + [new_key]
     assert RedisTier(redis.url).contains(held) == [True] * len(held)

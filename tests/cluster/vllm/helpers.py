@@ -137,3 +137,21 @@ def generate_and_store(llm, stats_path, ids, params=None):
     store = wait_stored(stats_path, request_id_of(out))
     assert store["error"] is None
     return out, store
+
+
+def wait_restarted(config, name: str, old_pid: int, timeout_s: float = 90.0) -> None:
+    """Wait until shard ``name`` answers ``ready()`` from a process other than ``old_pid``
+    (Ray restarted it); AssertionError after ``timeout_s``."""
+    import ray
+
+    from cluster.cache.lifecycle import get_shard
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(get_shard(name, config.cluster.ray_namespace).ready.remote(), timeout=5)["pid"] != old_pid:
+                return
+        except Exception:  # noqa: BLE001 - still restarting
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"shard {name} did not restart")

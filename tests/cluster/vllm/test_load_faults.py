@@ -9,8 +9,6 @@ layer read kills the shard (and, in the second test, Redis too) before reading.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from blend.segments import build_blend_prompt
@@ -22,6 +20,7 @@ from tests.cluster.vllm.helpers import (
     generate,
     one_node_ray_cache,
     passage,
+    wait_restarted,
     wait_stored,
 )
 
@@ -51,22 +50,6 @@ def _use_client(llm, client, monkeypatch) -> None:
         monkeypatch.setattr(obj, "client", client)
     monkeypatch.setattr(worker._source, "reader", client)  # the CPU worker reads the client directly
     monkeypatch.setattr(worker._source, "gpu", None)
-
-
-def _wait_restarted(config, name: str, old_pid: int, timeout_s: float = 90.0) -> None:
-    import ray
-
-    from cluster.cache.lifecycle import get_shard
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if ray.get(get_shard(name, config.cluster.ray_namespace).ready.remote(), timeout=5)["pid"] != old_pid:
-                return
-        except Exception:  # noqa: BLE001 - still restarting
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"shard {name} did not restart")
 
 
 def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, seed: int, redis=None):
@@ -117,7 +100,7 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
         writer.close()
     assert killed, "the load never read the cache"
     (load,) = events(stats_path, out.request_id, "load")
-    _wait_restarted(config, shard, old_pid)
+    wait_restarted(config, shard, old_pid)
     return out, load, worker.counters["fallbacks"] - fallbacks, ids
 
 
