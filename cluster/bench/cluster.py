@@ -17,6 +17,9 @@ shard, each advertising the shard resource, object stores of ``--object-store-gi
   ``direct_gbps`` is the baseline: the same objects read layer by layer from a
   :class:`tiers.host.HostTier` in this process with :func:`tiers.reader.read_layer` (same
   checksum and copy work, no Ray, no client). ``client_ratio = client_gbps / direct_gbps``.
+* the vLLM connector's default client (``agent``: Ray in a child cache agent, issue 18) against
+  the in-process client, side by side: ``agent.lookup_ms``, ``agent.read_gbps`` (cold reads of
+  every layer, median of >= 7 passes and its range), ``agent.read_ratio`` = agent / in-process.
 * the CUDA worker's path, measured on the CPU: :class:`tiers.staging.StagedSource` over
   ``CacheClient.host_layers()`` (objects mapped from a cold client cache, then staged)
   against the same source over the machine-local client of the same bytes
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 import uuid
@@ -172,9 +176,41 @@ def _measure(bench: _Run, num_shards: int, chunk_bytes: int) -> dict:
         if keys:
             row[label] = _read_gbps(client, direct, headers, keys, bench.shape["num_layers"], reps,
                                     len(keys) * chunk_bytes)
+    row["agent"] = _agent_row(cfg, client, same + cross, bench.shape["num_layers"], reps,
+                              len(same + cross) * chunk_bytes, max(50, lookups // 4))
     client.close()
     stop_shards(cfg.cluster.ray_namespace)
     return row
+
+
+def _agent_row(cfg, client, keys: list, num_layers: int, reps: int, nbytes: int, lookups: int) -> dict:
+    """The vLLM connector's client (``ray_client='agent'``: Ray in a child process, the
+    product's :func:`~cluster.cache.factory.make_client` path) against the in-process
+    :class:`CacheClient` in the same run: lookup latency and cold reads of every layer of
+    ``keys`` (objects fetched anew each pass)."""
+    from cluster.cache.factory import make_client
+
+    agent = make_client(cfg, NAMESPACE, agent=True)
+    try:
+        lat_agent, lat_driver = _lookup_ms(agent, keys, lookups), _lookup_ms(client, keys, lookups)
+        t_agent, t_driver = [], []
+        for _ in range(max(reps, 7)):  # medians of >= 7 passes
+            agent._objects.clear()
+            agent.lookup(keys)
+            t_agent.append(_read_all_layers(agent, keys, num_layers))
+            client._objects.clear()
+            client.lookup(keys)
+            t_driver.append(_read_all_layers(client, keys, num_layers))
+    finally:
+        agent.close()
+    def gbps(ts: list[float]) -> tuple[float, list[float]]:  # median, [slowest, fastest]
+        return nbytes / statistics.median(ts) / 1e9, [nbytes / max(ts) / 1e9, nbytes / min(ts) / 1e9]
+
+    (a, a_range), (d, d_range) = gbps(t_agent), gbps(t_driver)
+    return {"lookup_ms": {"p50": _percentile(lat_agent, 0.5), "p99": _percentile(lat_agent, 0.99)},
+            "driver_lookup_ms": {"p50": _percentile(lat_driver, 0.5), "p99": _percentile(lat_driver, 0.99)},
+            "read_gbps": a, "read_gbps_range": a_range, "driver_read_gbps": d, "driver_read_gbps_range": d_range,
+            "read_ratio": a / d, "passes": len(t_agent), "num_lookups": lookups}
 
 
 def _lookup_ms(client, all_keys: list, lookups: int) -> list[float]:
@@ -281,4 +317,8 @@ def _row_text(row: dict) -> str:
                          f"direct {r['direct_gbps']:.2f} GB/s ratio {r['client_ratio']:.2f}; staged "
                          f"ray {r['staged_ray_gbps']:.2f} local {r['staged_local_gbps']:.2f} GB/s "
                          f"ratio {r['staged_ratio']:.2f}")
+    a = row.get("agent")
+    if a:
+        parts.append(f"agent: lookup16 p50={a['lookup_ms']['p50']:.2f}ms (driver {a['driver_lookup_ms']['p50']:.2f}) "
+                     f"read {a['read_gbps']:.2f} GB/s (driver {a['driver_read_gbps']:.2f}) ratio {a['read_ratio']:.2f}")
     return " | ".join(parts)
