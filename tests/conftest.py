@@ -73,3 +73,23 @@ def smollm2_path() -> str:
     from cluster.workloads.model import resolve_model
 
     return resolve_model("smollm2", cache_dir(load_config(environ={})))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_driver_left_behind(request):
+    """After every test module without ``shared_ray`` tests (those share the session cluster),
+    this process is no Ray driver any more: a module that connected it and did not disconnect
+    would leave it attached to a cluster that a later test stops (``ray stop --force`` in the
+    demo), and 60 s later Ray ends the driver's process — this pytest run, without a summary
+    (seen 2026-12-02). The leak is disconnected here and reported on stderr."""
+    yield
+    items = [it for it in request.session.items if it.module is request.module]
+    if any(it.get_closest_marker("shared_ray") is not None for it in items):
+        return
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        print(f"\n[conftest] {request.module.__name__} left this process connected to Ray: ray.shutdown()",
+              file=sys.stderr)
+        ray.shutdown()

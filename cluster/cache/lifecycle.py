@@ -1,7 +1,7 @@
 """Shard actors' lifecycle: their names, starting them on the cache nodes, finding and stopping them.
 
 A shard is a detached, named Ray actor (:class:`cluster.cache.shard.CacheShard`) pinned to one
-node that advertises ``shard_resource``: ``kvblend-shard-<node_id[:8]>-<i>`` in the Ray
+node that advertises ``shard_resource``: ``kvblend-shard-<node name>@<node_id[:8]>-<i>`` in the Ray
 namespace ``ray_namespace``. :func:`start_shards` creates them idempotently
 (``get_if_exists``; Ray restarts them, ``max_restarts=-1``; ``kvblend server``, tests,
 benchmarks), :func:`shard_names` and :func:`get_shard` find them (the client's

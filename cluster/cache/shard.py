@@ -3,7 +3,7 @@
 This module is the actor's state and methods (:class:`CacheShard`). Starting, finding and
 stopping the actors is :mod:`cluster.cache.lifecycle`: one shard per cache node (a node
 advertising ``shard_resource``; ``shards_per_node`` for more), named
-``kvblend-shard-<node_id[:8]>-<i>``, detached, in namespace ``ray_namespace``, created
+``kvblend-shard-<node name>@<node_id[:8]>-<i>``, detached, in namespace ``ray_namespace``, created
 idempotently and restarted by Ray. Its disk directory is ``<disk_root>/<node name>-<i>``
 (``disk_path``, else ``<cache_dir>/disk``; :mod:`cluster.cache.identity`: ``$KVBLEND_NODE_NAME``
 or the host name, locked while in use), so a shard restarted on the same machine finds its
