@@ -90,19 +90,36 @@ def test_resolve_model_takes_bundled_names_folders_and_cached_hub_ids(smollm2_pa
 
 
 def test_online_with_the_hub_unreachable_resolves_without_network(smollm2_path, tmp_path):
-    """HF_HUB_OFFLINE unset, HF_ENDPOINT refusing connections: the id still resolves from the
-    cache named by HF_HUB_CACHE, at once (huggingface_hub retries a refused connection for ~25 s)."""
+    """HF_HUB_OFFLINE unset, HF_ENDPOINT a local socket that counts connections and answers
+    none: the id resolves from the cache named by HF_HUB_CACHE without a single connection."""
+    import socket
+    import threading
+
     hub = tmp_path / "hub"
     snap = hub_cache(hub, smollm2_path)
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def count() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=count, daemon=True).start()
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    env.update(HF_HUB_CACHE=str(hub), HF_HOME=str(tmp_path / "hf-home"), HF_ENDPOINT="http://127.0.0.1:9")
-    code = ("import time; t = time.perf_counter()\n"
-            "from cluster.namespace import resolve_model_path as r\n"
-            f"print(r({REPO!r}), time.perf_counter() - t)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    env.update(HF_HUB_CACHE=str(hub), HF_HOME=str(tmp_path / "hf-home"),
+               HF_ENDPOINT=f"http://127.0.0.1:{server.getsockname()[1]}")
+    code = f"from cluster.namespace import resolve_model_path as r\nprint(r({REPO!r}))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        server.close()
     assert out.returncode == 0, out.stderr
-    path, seconds = out.stdout.split()
-    assert os.path.samefile(path, snap) and float(seconds) < 10
+    assert os.path.samefile(out.stdout.strip(), snap)
+    assert accepted == [], "the Hub endpoint was contacted"
 
 
 # ---------------------------------------------------------------- fingerprint
@@ -176,16 +193,19 @@ def test_concurrent_processes_share_one_uncorrupted_cache(tmp_path):
     assert not [n for n in os.listdir(tmp_path / "fp") if n.startswith(".fingerprints-")]
 
 
-def test_hashing_speed(smollm2_path):
-    """Every byte of the bundled 260 MB checkpoint hashes in well under the engine's start-up."""
+def test_hash_file_is_blake2b_of_every_byte(smollm2_path):
+    """The streamed digest of the bundled 260 MB checkpoint equals BLAKE2b-256 of its bytes
+    (the speed is printed, not asserted: timings on shared CI machines swing)."""
+    import hashlib
+
     path = os.path.join(smollm2_path, "model.safetensors")
     size = os.path.getsize(path)
-    fp.hash_file(path)  # page cache warm, as after vLLM loaded the weights
     t0 = time.perf_counter()
-    fp.hash_file(path)
+    got = fp.hash_file(path)
     seconds = time.perf_counter() - t0
     print(f"BLAKE2b of {size / 1e6:.0f} MB: {seconds:.2f} s, {size / 1e6 / seconds:.0f} MB/s")
-    assert seconds < 5
+    with open(path, "rb") as fh:
+        assert got == hashlib.blake2b(fh.read(), digest_size=32).hexdigest()
 
 
 # ---------------------------------------------------------------- overrides, quantization, TP

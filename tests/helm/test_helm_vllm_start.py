@@ -97,7 +97,6 @@ def test_vllm_waits_for_the_first_join_and_the_node_rejoins_after_it_stopped(hel
 
 
 def test_vllm_starts_without_ray_after_the_join_timeout_and_the_loop_keeps_trying(helm, tmp_path):
-    t0 = time.monotonic()
     proc, stub = _start(helm, tmp_path, [], join_timeout_s=1, vllm_s=1.5)
     try:
         proc.wait(30)
@@ -106,7 +105,6 @@ def test_vllm_starts_without_ray_after_the_join_timeout_and_the_loop_keeps_tryin
     stderr = (stub / "stderr").read_text()
     first, last = (stub / "vllm.log").read_text().splitlines()[0], (stub / "vllm.log").read_text().splitlines()[-1]
     assert first.split()[1] == "no"
-    assert time.monotonic() - t0 < 10
     assert "cannot join Ray" in stderr
     assert int(last.split()[1]) > int(first.split()[2])  # still trying while vLLM serves
 

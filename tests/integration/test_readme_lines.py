@@ -53,6 +53,13 @@ def _metric(text: str, name: str) -> float:
 def readme_cluster(smollm2_path):
     server_line = readme_block("kvblend-server")
     assert server_line.startswith("kvblend server ")
+    # the shard's disk directory follows the machine's name (issue 18), so a previous run's
+    # chunks would be found again: start from an empty disk tier, as on a fresh machine
+    disk = re.search(r"--disk-path (\S+)", server_line)
+    if disk:
+        import shutil
+
+        shutil.rmtree(disk.group(1), ignore_errors=True)
     r = subprocess.run(["bash", "-c", server_line], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     yield server_line
