@@ -167,8 +167,6 @@ class AgentClient:
             log.debug("%s", message)
 
     def _spawn(self, timeout_s: float) -> tuple[AgentLink | None, str]:
-        from dataclasses import asdict
-
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = subprocess.Popen([sys.executable, "-m", "cluster.cache.agent", str(child.fileno())],
@@ -176,12 +174,10 @@ class AgentClient:
                                     cwd=os.getcwd(), env=_agent_env())
         finally:
             child.close()
-        flat = {}
-        for section in ("tiers", "blend", "cluster"):
-            flat.update(asdict(getattr(self.config, section)))
         try:
             parent.settimeout(timeout_s)
-            send_frame(parent, threading.Lock(), {"op": "hello", "config": flat, "namespace": self.namespace})
+            send_frame(parent, threading.Lock(), {"op": "hello", "config": self.config.as_flat_dict(),
+                                                  "namespace": self.namespace})
             answer, _ = recv_frame(parent)
             parent.settimeout(None)
         except (OSError, WireError) as e:
@@ -190,7 +186,11 @@ class AgentClient:
             return None, f"agent did not answer within {timeout_s:.0f} s ({type(e).__name__})"
         if not answer.get("ok"):
             parent.close()
-            proc.wait(timeout=5.0)
+            try:
+                proc.wait(timeout=5.0)  # it exits after saying why
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             return None, str(answer.get("why"))
         return AgentLink(proc, parent, int(answer["pid"]), self._lost), f"{answer.get('shards')} shard(s)"
 
