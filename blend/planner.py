@@ -6,6 +6,9 @@
                                                                                       ^ blend_end
                                                      (query_to_engine=False: vLLM computes the query)
 
+The spans decide what is a chunk: the vLLM scheduler passes the first segment as a chunk too
+(:func:`blend.segments.first_segment_as_chunk`), so it is looked up and, missed, stored; spans
+straight from :func:`blend.segments.find_segments` keep it a prefix (always computed).
 Hits anywhere are used: a missed chunk does not stop the reuse of later ones
 (../shared/cases/hits-after-a-miss.md). The ``min_tokens`` floor applies to the whole
 prompt's reusable tokens, not to each segment (../shared/cases/separator-edges.md).

@@ -22,7 +22,14 @@ a prompt tokenized as one string miss. Measured with SmolLM2's tokenizer on the 
 (10 passages each; all 200 segments found with both separators): ``"\n# #\n"`` keeps the
 canonical ids of 200/200 passages on MuSiQue and 200/200 on 2WikiMQA; ``" # # "`` keeps 5/200
 and 13/200 (a whole-string miss rate of 97.5% and 93.5%). Prompts built per piece by
-:func:`build_blend_prompt` (or pre-tokenized per chunk) hit with any separator.
+:func:`build_blend_prompt` (or pre-tokenized per chunk), or tokenized segment-wise by vLLM's
+``--tokenizer-mode kvblend`` (:mod:`cluster.vllm.segment_tokenizer`), hit with any separator.
+
+**The first segment** (:func:`first_segment_as_chunk`): with nothing before it, a first segment's
+KV at positions ``0..n-1`` is a standalone chunk's KV, so the serving path plans it as a chunk
+(looked up, reused, stored) and keeps only the BOS its tokenizer adds
+(:func:`special_tokens_around`) as the prefix: a passage in first position (a prompt with no
+system prompt) is reused elsewhere, and a cached chunk can stand first.
 
 Bookkeeping only: no torch.
 """
@@ -39,6 +46,7 @@ from blend.plan import CHUNK, PREFIX, QUERY, SEPARATOR
 Span = tuple[str, int, int]
 
 _BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -170,6 +178,67 @@ def find_segments(token_ids: Sequence[int], tokenizer, separator: str) -> list[S
     if cursor < n:
         spans.append((QUERY, cursor, n))
     return spans
+
+
+def special_tokens_around(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(before, after)``: the ids a tokenizer adds around a text when asked for special tokens
+    (``(BOS,), ()`` for Llama-style tokenizers, ``(), ()`` for SmolLM2 or Qwen). Found by encoding
+    one letter with and without them; ``((), ())`` when the two do not line up."""
+    try:
+        return _SPECIALS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    with_special = list(tokenizer.encode("a", add_special_tokens=True))
+    bare = list(tokenizer.encode("a", add_special_tokens=False))
+    out: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    for i in range(len(with_special) - len(bare) + 1):
+        if bare and with_special[i:i + len(bare)] == bare:
+            out = (tuple(with_special[:i]), tuple(with_special[i + len(bare):]))
+            break
+    try:
+        _SPECIALS[tokenizer] = out
+    except TypeError:
+        pass
+    return out
+
+
+def standalone_span(token_ids: Sequence[int], start: int, end: int,
+                    specials: tuple[Sequence[int], Sequence[int]]) -> tuple[int, int]:
+    """``[start, end)`` without the special ids the tokenizer put at the prompt's ends (``specials``
+    from :func:`special_tokens_around`): what is left is the text's own ids, the chunk a passage
+    sent alone stands for (``chunk_token_ids`` of its text)."""
+    before, after = tuple(specials[0]), tuple(specials[1])
+    if before and start == 0 and tuple(token_ids[:len(before)]) == before:
+        start = len(before)
+    n = len(token_ids)
+    if after and end == n and n - len(after) >= start and tuple(token_ids[n - len(after):]) == after:
+        end = n - len(after)
+    return start, max(start, end)
+
+
+def first_segment_as_chunk(spans: Sequence[Span], token_ids: Sequence[int],
+                           specials: tuple[Sequence[int], Sequence[int]] = ((), ())) -> list[Span]:
+    """The prompt's first segment as a ``chunk`` span, so it is looked up and stored like any
+    passage (a prompt with no system prompt, ``passage ⟨sep⟩ passage ⟨sep⟩ question``, starts
+    with one)::
+
+        | BOS | passage or system prompt | sep | chunk | sep | query |
+        prefix [                chunk   ]
+
+    Its KV at positions ``0..n-1`` with nothing before it *is* a standalone chunk's KV, so a
+    cached chunk can stand in first position and a first segment is a chunk elsewhere. Only the
+    ids the tokenizer adds before any text (BOS; ``specials`` from :func:`special_tokens_around`)
+    stay a ``prefix``. Spans without a separator, or whose first span is not a ``prefix``, are
+    returned unchanged.
+    """
+    spans = list(spans)
+    if not spans or spans[0][0] != PREFIX or not any(kind == SEPARATOR for kind, _, _ in spans):
+        return spans
+    _, _, end = spans[0]
+    start, _ = standalone_span(token_ids, 0, end, (specials[0], ()))
+    if start >= end:
+        return spans
+    return ([(PREFIX, 0, start)] if start else []) + [(CHUNK, start, end)] + spans[1:]
 
 
 def chunk_token_ids(tokenizer, chunk_text: str) -> list[int]:

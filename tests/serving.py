@@ -13,14 +13,15 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def http_server(argv: list[str], env: dict, log_path, port: int, ready_s: float = 400.0) -> Iterator[
-        tuple[str, subprocess.Popen]]:
-    """Run ``argv`` (a list, or ``["bash", "-c", line]``) and yield ``(base URL, process)`` once
-    ``GET /health`` answers 200. Raises AssertionError when it exits or is not ready in ``ready_s``."""
+def http_server(argv: list[str], env: dict, log_path, port: int, ready_s: float = 400.0,
+                cwd=None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``argv`` (a list, or ``["bash", "-c", line]``; in ``cwd``, default ours) and yield
+    ``(base URL, process)`` once ``GET /health`` answers 200. Raises AssertionError when it
+    exits or is not ready in ``ready_s``."""
     import requests
 
     with open(log_path, "w") as fh:
-        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + ready_s

@@ -5,7 +5,8 @@ vLLM 0.32 and 0.33 have the same connector API apart from three sleep-mode hooks
 optional hooks of both versions have defaults that do not fit a shared, best-effort chunk store;
 :class:`KVBlendHooksMixin` overrides them (and documents why ``handle_preemptions`` has nothing
 to do). :class:`KVBlendHMAMixin` is vLLM's ``SupportsHMA`` for a single KV cache group;
-:func:`refuse_hybrid` keeps the connector idle when a hybrid model gets several.
+:func:`refuse_unsupported` keeps the connector idle when a hybrid model gets several, and for
+sliding-window attention shorter than the model's length.
 :func:`mark_no_prefix_read` turns loading off for the requests vLLM computes whole.
 
 :class:`cluster.vllm.connector.KVBlendConnector` adopts both mixins::
@@ -236,11 +237,41 @@ def hybrid_refusal(kv_cache_config: KVCacheConfig | None) -> str | None:
             "start vLLM with --disable-hybrid-kv-cache-manager")
 
 
-def refuse_hybrid(kv_cache_config: KVCacheConfig | None, role: KVConnectorRole) -> bool:
-    """Whether the connector must stay idle for ``kv_cache_config`` (:func:`hybrid_refusal`).
-    The scheduler's connector says why in one warning; the workers' stay silent, so an engine
+def sliding_window_refusal(model_config: Any) -> str | None:
+    """Why kvblend cannot serve a model with sliding-window attention (None: it can).
+
+    Stored chunks and the blend engine (:mod:`blend.attention`) assume full attention: a chunk's
+    KV computed alone, or a blend's recomputed tokens, would attend further back than a layer of
+    window ``w`` does, so reused KV would differ from what vLLM computes (wrong output, issue 21).
+    A window at least ``max_model_len`` long never applies, so such a model is served as usual.
+    ``model_config`` is vLLM's ``ModelConfig`` (``get_sliding_window()``, ``hf_text_config``'s
+    ``layer_types``, ``max_model_len``)."""
+    try:
+        window = model_config.get_sliding_window()
+    except Exception:  # noqa: BLE001 - a config vLLM itself could not read: not ours to refuse
+        return None
+    if isinstance(window, (list, tuple)):  # older configs: one window per layer
+        windows = [int(w) for w in window if w]
+        window = min(windows) if windows else None
+    if not window:
+        return None
+    layer_types = getattr(getattr(model_config, "hf_text_config", None), "layer_types", None)
+    if layer_types is not None and not any("sliding" in str(t) for t in layer_types):
+        return None
+    max_len = int(getattr(model_config, "max_model_len", 0) or 0)
+    if max_len and int(window) >= max_len:
+        return None
+    return (f"the model uses sliding-window attention (window {int(window)} tokens < max_model_len "
+            f"{max_len}) and kvblend's stored and blended KV assume full attention: no KV is loaded "
+            "or stored (vLLM's own prefix caching still applies)")
+
+
+def refuse_unsupported(model_config: Any, kv_cache_config: KVCacheConfig | None, role: KVConnectorRole) -> bool:
+    """Whether the connector must stay idle: sliding-window attention
+    (:func:`sliding_window_refusal`) or several KV cache groups (:func:`hybrid_refusal`). The
+    scheduler's connector says why in one warning; the workers' stay silent, so an engine
     logs one line."""
-    reason = hybrid_refusal(kv_cache_config)
+    reason = sliding_window_refusal(model_config) or hybrid_refusal(kv_cache_config)
     if reason is None:
         return False
     if role == KVConnectorRole.SCHEDULER:
@@ -271,7 +302,7 @@ class KVBlendHMAMixin(SupportsHMA):
     """vLLM's ``SupportsHMA`` for a connector that handles one KV cache group (adopted by
     :class:`cluster.vllm.connector.KVBlendConnector`, ``docs/vllm-versions.md``): vLLM keeps its
     hybrid KV cache manager on, models of one kind of attention layer still get one group, and
-    hybrid models get several, for which the connector stays idle (:func:`refuse_hybrid` in
+    hybrid models get several, for which the connector stays idle (:func:`refuse_unsupported` in
     its ``__init__``; ``--disable-hybrid-kv-cache-manager`` gives them one group and kvblend).
 
     Expects the connector's ``request_finished`` and ``enabled``.

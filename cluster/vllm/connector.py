@@ -135,7 +135,7 @@ from cluster.vllm.compat import (
     KVBlendHMAMixin,
     KVBlendHooksMixin,
     mark_no_prefix_read,
-    refuse_hybrid,
+    refuse_unsupported,
 )
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata
@@ -164,7 +164,8 @@ class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
     vLLM builds one per role: ``connector_scheduler`` (a :class:`KVBlendScheduler`) is set in
     the scheduler's instance, ``connector_worker`` (a :class:`KVBlendWorker`) in each worker's.
     It is ``SupportsHMA`` (vLLM keeps its hybrid KV cache manager on) and stays idle, with one
-    warning, for a model with several KV cache groups (:mod:`cluster.vllm.compat`).
+    warning, for a model with several KV cache groups or with sliding-window attention shorter
+    than ``max_model_len`` (:mod:`cluster.vllm.compat`).
 
     Raises:
         ValueError: a malformed ``kv_connector_extra_config`` key or config value (start-up
@@ -193,7 +194,7 @@ class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
             self.enabled = False
             log.warning("kvblend: pipeline_parallel_size=%d is not supported (a chunk holds every "
                         "layer); the connector stays idle", pp_size)
-        if self.enabled and refuse_hybrid(kv_cache_config, role):  # SupportsHMA: several groups
+        if self.enabled and refuse_unsupported(model_config, kv_cache_config, role):  # sliding window, several groups
             self.enabled = False
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.namespace = self._namespace(self._tp_rank(role))

@@ -7,13 +7,23 @@ Runs in vLLM's scheduler (the engine-core process, on its busy-loop thread). Per
     [ vLLM prefix cache ][ claimed: blended by us, written into paged KV ][ ^ query ]
 
 * **Blend path** (the prompt has separator-delimited chunks): segments are found on the token
-  ids (:func:`blend.segments.find_segments`), one batched lookup plans the blend
+  ids (:func:`blend.segments.find_segments`); the first segment (after a BOS the tokenizer
+  adds) is a chunk too (:func:`blend.segments.first_segment_as_chunk`: with nothing before it,
+  its KV is a standalone chunk's, so a passage in first position is reused elsewhere and a
+  cached chunk can stand first); one batched lookup plans the blend
   (:func:`blend.planner.make_plan`; the client starts prefetching the hits), and when the plan
   blends the half claims tokens ``[num_computed_tokens, blend_end)``; chunk segments the cache
-  misses are scheduled for storing (their canonical KV is computed by the worker later).
+  misses are scheduled for storing (their canonical KV is computed by the worker later; a
+  missed first segment starting at token 0 of a prompt nothing is claimed of is gathered from
+  the paged cache instead).
 * **Prefix path** (no separators, or tensor parallelism): chunks of ``chunk_size`` tokens keyed
   by :func:`tiers.keys.prefix_keys`; the leading cached ones are claimed (never the last prompt
   token: vLLM always computes >= 1), the rest stored after the forward that computes them.
+* **Standalone chunks** (LMCache's recipes precompute a passage by sending it alone, or as
+  ``system ⟨sep⟩ passage``; :func:`_standalone_spans`): a prompt without separators is also
+  stored as one segment (its ids without the BOS the tokenizer added), and so is the last
+  segment of a prompt with one separator and no chunk; gathered from the paged cache when it
+  starts at token 0, else computed canonically by the worker.
 
 Each key is scheduled for storing once per process (:meth:`KVBlendScheduler._new_store_keys`,
 bounded). ``build_connector_meta`` turns the claims into :class:`~cluster.vllm.metadata.LoadSpec`
@@ -34,16 +44,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from blend.config import SELECTIONS
-from blend.plan import CHUNK, BlendPlan
+from blend.plan import CHUNK, QUERY, SEPARATOR, BlendPlan
 from blend.planner import make_plan
-from blend.segments import find_segments
+from blend.segments import (
+    find_segments,
+    first_segment_as_chunk,
+    special_tokens_around,
+    standalone_span,
+)
 from cluster.vllm import paged
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
 from cluster.vllm.options import request_params
 from cluster.vllm.tenant import request_tenant
-from tiers.keys import ChunkKey, prefix_keys
+from tiers.keys import ChunkKey, prefix_keys, segment_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -94,11 +109,36 @@ class _ReqState:
     claim_start: int = 0
     claim_end: int = 0
     store_segments: list[tuple[ChunkKey, tuple[int, ...]]] = field(default_factory=list)
-    store_prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)
+    store_prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)  # gathered after the forward
     block_ids: list[int] = field(default_factory=list)
+    num_standalone: int = 0     # stores scheduled for _standalone_spans (in the two lists above)
     loaded: bool = False
     load_async: bool = False    # the claim goes through vLLM's async-load path
     store_sent: bool = False    # canonical segments sent to the worker: hold blocks until stored
+
+
+def _standalone_spans(spans, token_ids, specials) -> list[tuple[int, int]]:
+    """Spans of a prompt stored as chunks although the plan never reuses them there:
+
+    * a prompt with no separator is a passage sent to precompute it (LMCache's recipe sends
+      ``chunk`` alone): its text's ids, without the BOS/EOS the tokenizer added;
+    * the last segment of ``system ⟨sep⟩ passage`` (no chunk between separators; LMCache's
+      recipe precomputes its first chunk this way) is that passage.
+
+    The first segment of a separator prompt is a chunk of the plan already
+    (:func:`blend.segments.first_segment_as_chunk`). ``specials`` is
+    :func:`blend.segments.special_tokens_around` of the tokenizer.
+    """
+    n = len(token_ids)
+    kinds = [kind for kind, _, _ in spans]
+    if SEPARATOR not in kinds:
+        start, end = standalone_span(token_ids, 0, n, specials)
+        return [(start, end)] if end > start else []
+    if CHUNK in kinds or kinds[-1] != QUERY:
+        return []
+    _, start, _ = spans[-1]
+    start, end = standalone_span(token_ids, start, n, ((), specials[1]))
+    return [(start, end)] if end > start else []
 
 
 def _count_tiers(segments) -> dict[str, int]:
@@ -201,8 +241,15 @@ class KVBlendScheduler:
         load = bool(params.get("kvblend_load", True))
         blend_cfg = self._blend_config(params)
         spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator) if token_ids else []
-        has_chunks = any(kind == CHUNK for kind, _, _ in spans)
-        if has_chunks and self.config.cluster.engine_type == "blend" and self.tp_size == 1:
+        blendable = self.config.cluster.engine_type == "blend" and self.tp_size == 1
+        standalone: list[tuple[int, int]] = []  # spans stored as chunks besides the plan's segments
+        if blendable and token_ids and self.config.blend.enable_blending:
+            specials = special_tokens_around(self.tokenizer)
+            standalone = _standalone_spans(spans, token_ids, specials)
+            spans = first_segment_as_chunk(spans, token_ids, specials)
+        if store and standalone:
+            self._store_standalone(state, standalone, tenant)
+        if blendable and any(kind == CHUNK for kind, _, _ in spans):
             self._plan_blend(rid, state, spans, blend_cfg, tenant, load=load, store=store)
         else:
             self._plan_prefix(rid, state, tenant, load=load, store=store)
@@ -245,16 +292,26 @@ class KVBlendScheduler:
         if plan.blend and load:
             state.claim_end = plan.blend_end
             path = "blend"
+        num_store = 0
         if store:
-            state.store_segments = self._new_store_keys(
-                [(s.key, token_ids[s.start:s.end]) for s in plan.missed_segments if s.end <= n - 1])
+            missed = [s for s in plan.missed_segments if s.end <= n - 1]
+            # a missed first segment with nothing before it, in a prompt vLLM computes itself:
+            # the KV vLLM writes is its canonical KV, gathered after the forward like a prefix
+            # chunk instead of computed again (after a claim, the claimed KV is ours: computed)
+            first = [s for s in missed if s.start == 0 and not state.claim_end]
+            keep = {k for k, _ in self._new_store_keys([(s.key, ()) for s in first])}
+            gathered = [(s.key, 0, s.end) for s in first if s.key in keep]
+            computed = self._new_store_keys([(s.key, token_ids[s.start:s.end]) for s in missed if s not in first])
+            state.store_prefix += gathered
+            state.store_segments += computed
+            num_store = len(gathered) + len(computed)
         self._events.write("lookup", request_id=rid, path=path, num_tokens=n,
                            num_segments=len([s for s in plan.segments if s.kind == CHUNK]),
                            num_hit_segments=len(plan.hit_segments),
                            tier_hits=_count_tiers(plan.hit_segments),
                            reusable_tokens=plan.num_reused_tokens, blend_end=plan.blend_end,
                            full_prefill_reason=plan.full_prefill_reason,
-                           num_store_segments=len(state.store_segments))
+                           num_store_segments=num_store, num_standalone_segments=state.num_standalone)
 
     def _plan_prefix(self, rid: str, state: _ReqState, tenant: str, *, load: bool, store: bool) -> None:
         """Prefix path: claim the leading cached chunks (whole chunks ending before the last
@@ -277,14 +334,32 @@ class KVBlendScheduler:
         state.claim_end = hits * chunk
         if state.claim_end:
             path = "prefix"
+        num_store = 0
         if store:
             todo = self._new_store_keys([(k, ()) for k in keys[hits:]])
             todo_keys = {k for k, _ in todo}
-            state.store_prefix = [(k, i * chunk, (i + 1) * chunk) for i, k in enumerate(keys)
-                                  if k in todo_keys]
+            state.store_prefix += [(k, i * chunk, (i + 1) * chunk) for i, k in enumerate(keys)
+                                   if k in todo_keys]
+            num_store = len(todo_keys)
         self._events.write("lookup", request_id=rid, path=path, num_tokens=n,
                            num_prefix_chunks=len(keys), num_prefix_hits=hits,
-                           num_store_prefix=len(state.store_prefix))
+                           num_store_prefix=num_store, num_standalone_segments=state.num_standalone)
+
+    def _store_standalone(self, state: _ReqState, spans: list[tuple[int, int]], tenant: str) -> None:
+        """Store spans of a prompt that LMCache's recipes send to precompute a chunk (see
+        :func:`_standalone_spans`) under their segment keys: one starting at token 0 is gathered
+        from the paged cache after the forward (nothing before it: vLLM's KV is the canonical
+        KV), any other is computed canonically by the worker."""
+        token_ids = state.token_ids
+        for start, end in spans:
+            key = segment_key(self.namespace_digest, token_ids[start:end], tenant)
+            if start == 0:
+                todo = [(k, 0, end) for k, _ in self._new_store_keys([(key, ())])]
+                state.store_prefix += todo
+            else:
+                todo = self._new_store_keys([(key, token_ids[start:end])])
+                state.store_segments += todo
+            state.num_standalone += len(todo)
 
     def cache_hits(self, request_id: str) -> tuple[int, list[tuple[int, int, str]]]:
         """``(claim start, [(start, end, tier), ...])``: the cached spans of the request's claim

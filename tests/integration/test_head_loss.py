@@ -135,7 +135,7 @@ def test_vllm_outlives_a_lost_ray_head(smollm2_path, tmp_path):
         deadline = time.time() + HANG_S
         while True:
             got, _ = ask([1, 0, 2], ex.question)
-            if got == 3:
+            if got >= 3:  # the ingested passages (and the chat head the first request stored)
                 break
             assert time.time() < deadline, "hits never resumed:\n" + log_path.read_text()[-3000:]
             time.sleep(3)

@@ -384,17 +384,44 @@ def test_mark_no_prefix_read_turns_loading_off_for_requests_vllm_computes_whole(
     assert not compat.mark_no_prefix_read(SimpleNamespace())  # a request without the attribute
 
 
-def test_refuse_hybrid_warns_once_per_engine(caplog):
+def _model_config(window=None, layer_types=None, max_model_len=1024):
+    text = SimpleNamespace(layer_types=layer_types) if layer_types is not None else SimpleNamespace()
+    return SimpleNamespace(get_sliding_window=lambda: window, hf_text_config=text, max_model_len=max_model_len)
+
+
+def test_refuse_unsupported_warns_once_per_engine(caplog):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     full, window = type("FullAttentionSpec", (), {})(), type("SlidingWindowSpec", (), {})()
     two = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full), SimpleNamespace(kv_cache_spec=window)])
     one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=full)])
+    plain = _model_config()
+    sched, worker = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
     with caplog.at_level("WARNING", logger="kvblend.connector"):
-        assert compat.refuse_hybrid(two, KVConnectorRole.SCHEDULER) and compat.refuse_hybrid(two, KVConnectorRole.WORKER)
-        assert not compat.refuse_hybrid(one, KVConnectorRole.SCHEDULER) and not compat.refuse_hybrid(None, KVConnectorRole.WORKER)
+        assert compat.refuse_unsupported(plain, two, sched) and compat.refuse_unsupported(plain, two, worker)
+        assert not compat.refuse_unsupported(plain, one, sched) and not compat.refuse_unsupported(plain, None, worker)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "stays idle" in line and "--disable-hybrid-kv-cache-manager" in line
+
+
+def test_sliding_window_shorter_than_the_model_is_refused():
+    """Issue 21: a window below max_model_len is refused (whatever the KV cache groups); a
+    window at least as long as the model, none, or a config whose layers are all full
+    attention are served."""
+    refusal = compat.sliding_window_refusal
+    reason = refusal(_model_config(64))
+    assert "sliding-window attention (window 64 tokens < max_model_len 1024)" in reason
+    assert refusal(_model_config(64, ["full_attention", "sliding_attention"])) == reason
+    assert refusal(_model_config([None, 128])) is not None  # a per-layer list: its shortest window
+    assert refusal(_model_config(None)) is None
+    assert refusal(_model_config(4096)) is None
+    assert refusal(_model_config(1024)) is None
+    assert refusal(_model_config(64, ["full_attention", "full_attention"])) is None
+    # one group, as with --disable-hybrid-kv-cache-manager: still refused
+    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object())])
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    assert compat.refuse_unsupported(_model_config(64), one, KVConnectorRole.WORKER)
 
 
 def test_handle_preemptions_is_a_documented_no_op():

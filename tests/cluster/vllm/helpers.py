@@ -155,3 +155,17 @@ def wait_restarted(config, name: str, old_pid: int, timeout_s: float = 90.0) -> 
             pass
         time.sleep(0.5)
     raise AssertionError(f"shard {name} did not restart")
+
+
+def plan_spans(tokenizer, ids, spans):
+    """The spans the connector's scheduler plans for ``ids`` (``spans`` from
+    :func:`blend.segments.build_blend_prompt` or ``find_segments``): the first segment, after
+    a BOS the tokenizer adds, is a chunk too (:func:`blend.segments.first_segment_as_chunk`)."""
+    from blend.segments import first_segment_as_chunk, special_tokens_around
+
+    return first_segment_as_chunk(spans, ids, special_tokens_around(tokenizer))
+
+
+def chunk_tokens_of(tokenizer, ids, spans) -> int:
+    """Tokens of the chunks the connector plans for ``ids`` (the first segment included)."""
+    return sum(e - s for kind, s, e in plan_spans(tokenizer, ids, spans) if kind == "chunk")

@@ -18,9 +18,11 @@ import os
 import sys
 
 
-def make_hybrid_model(out_dir: str, tokenizer_dir: str, *, sliding_window: int = 64) -> str:
-    """A randomly initialised 4-layer Llama whose layers 1 and 3 use a sliding window
-    (``layer_types``, read by vLLM's ``LlamaAttention``), with ``tokenizer_dir``'s tokenizer."""
+def make_hybrid_model(out_dir: str, tokenizer_dir: str, *, sliding_window: int = 64,
+                      layer_types: tuple[str, ...] = ("full_attention", "sliding_attention") * 2) -> str:
+    """A randomly initialised 4-layer Llama whose layers of ``layer_types`` (read by vLLM's
+    ``LlamaAttention``; by default 1 and 3) use a window of ``sliding_window`` tokens, with
+    ``tokenizer_dir``'s tokenizer."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -28,7 +30,7 @@ def make_hybrid_model(out_dir: str, tokenizer_dir: str, *, sliding_window: int =
     config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                          max_position_embeddings=2048, sliding_window=sliding_window, initializer_range=0.2,
-                         layer_types=["full_attention", "sliding_attention"] * 2, tie_word_embeddings=True,
+                         layer_types=list(layer_types), tie_word_embeddings=True,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)

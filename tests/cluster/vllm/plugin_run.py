@@ -44,7 +44,9 @@ if __name__ == "__main__":
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
         outs.append({"request_id": out.request_id, "token_ids": list(out.outputs[0].token_ids)})
         if i == 0 and len(requests) > 1:  # the cold request's chunks are stored after it: wait
+            # for all four (the system prompt, gathered from the paged KV, and 3 passages computed)
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not any(e["event"] == "store" for e in read_events(stats_path)):
+            while time.monotonic() < deadline and sum(
+                    e.get("stored", 0) for e in read_events(stats_path) if e["event"] == "store") < 4:
                 time.sleep(0.2)
     print("RESULT " + json.dumps({"outputs": outs, "num_tokens": len(ids2)}), flush=True)

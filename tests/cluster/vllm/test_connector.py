@@ -14,6 +14,7 @@ from tests.cluster.vllm.helpers import (
     FULL,
     SYSTEM,
     assert_matches_full,
+    chunk_tokens_of,
     events,
     generate,
     generate_and_store,
@@ -46,21 +47,22 @@ def test_full_hit_reordered(blend_llm, blend_stats_path, tokenizer):
     ids1, _ = build_blend_prompt(tokenizer, SYSTEM, [a, b, c], q)
     ids2, spans2 = build_blend_prompt(tokenizer, SYSTEM, [c, a, b], q)
     _, store = generate_and_store(blend_llm, blend_stats_path, ids1)
-    assert store["stored"] == 3
-    chunk_tokens = sum(e - s for kind, s, e in spans2 if kind == "chunk")
+    assert store["stored"] == 3  # the passages (the system prompt, first, is gathered apart)
+    chunk_tokens = chunk_tokens_of(tokenizer, ids2, spans2)  # the system prompt is a chunk too
 
     out2 = generate(blend_llm, ids2)
     out3 = generate(blend_llm, ids2)  # byte-identical repeat
     ref = generate(blend_llm, ids2, FULL)
     for out in (out2, out3):
         lookup = _one(blend_stats_path, out, "lookup")
-        assert (lookup["path"], lookup["num_segments"], lookup["num_hit_segments"]) == ("blend", 3, 3)
+        assert (lookup["path"], lookup["num_segments"], lookup["num_hit_segments"]) == ("blend", 4, 4)
         load = _one(blend_stats_path, out, "load")
         assert load["path"] == "blend" and not load["fallback"]
-        assert load["num_hit_segments"] == 3 and load["reused_tokens"] == chunk_tokens
+        assert load["num_hit_segments"] == 4 and load["reused_tokens"] == chunk_tokens
         assert load["load_end"] == lookup["blend_end"] < len(ids2)  # vLLM computes the query
         assert_matches_full(out, ref)
-    # the worker kept the chunks it stored in its gpu tier: the repeat reads them there
+    # the worker kept the chunks it computed for storing in its gpu tier: the repeat reads the
+    # passages there (the system prompt, gathered from vLLM's paged KV, comes through the client)
     assert _one(blend_stats_path, out3, "load")["gpu_hit_segments"] == 3
     # the repeat was served by our cache (vLLM prefix caching is off in this engine)
     assert _one(blend_stats_path, out3, "claim")["local_computed_tokens"] == 0
@@ -77,9 +79,9 @@ def test_recompute_actually_happens(blend_llm, blend_stats_path, tokenizer):
     ids2, spans = build_blend_prompt(tokenizer, SYSTEM, [texts[i] for i in order], q)
     out = generate(blend_llm, ids2, {"kvblend_recompute_ratio": 0.15, "kvblend_selection": "k_deviation"})
     load = _one(blend_stats_path, out, "load")
-    chunk_tokens = sum(e - s for kind, s, e in spans if kind == "chunk")
+    chunk_tokens = chunk_tokens_of(tokenizer, ids2, spans)
     assert chunk_tokens > 2000
-    assert load["num_segments"] == 6 and load["num_hit_segments"] == 6 and not load["fallback"]
+    assert load["num_segments"] == 7 and load["num_hit_segments"] == 7 and not load["fallback"]
     assert load["reused_tokens"] == chunk_tokens
     assert abs(load["selected_tokens"] - 0.15 * chunk_tokens) <= 0.01 * chunk_tokens
     per_layer = load["recomputed_tokens_per_layer"]
@@ -99,11 +101,11 @@ def test_query_attention_per_request_inside_vllm(blend_llm, blend_stats_path, to
     ids1, _ = build_blend_prompt(tokenizer, SYSTEM, texts, q)
     generate_and_store(blend_llm, blend_stats_path, ids1)
     ids2, spans = build_blend_prompt(tokenizer, SYSTEM, [texts[i] for i in (2, 0, 3, 1)], q)
-    chunk_tokens = sum(e - s for kind, s, e in spans if kind == "chunk")
+    chunk_tokens = chunk_tokens_of(tokenizer, ids2, spans)
     ref = generate(blend_llm, ids2, FULL)
     out = generate(blend_llm, ids2, {"kvblend_selection": "query_attention", "kvblend_recompute_ratio": 1.0})
     load = _one(blend_stats_path, out, "load")
-    assert load["selection"] == "query_attention" and not load["fallback"] and load["num_hit_segments"] == 4
+    assert load["selection"] == "query_attention" and not load["fallback"] and load["num_hit_segments"] == 5
     assert_matches_full(out, ref)
     out = generate(blend_llm, ids2, {"kvblend_selection": "query_attention", "kvblend_recompute_ratio": 0.15})
     load = _one(blend_stats_path, out, "load")
@@ -123,8 +125,8 @@ def test_hits_after_a_miss(blend_llm, blend_stats_path, tokenizer):
     ids2, spans = build_blend_prompt(tokenizer, SYSTEM, [c4, c3, c2, c1], "Question: q2? Answer:")
     out = generate(blend_llm, ids2)
     load = _one(blend_stats_path, out, "load")
-    reused = sum(len(chunk_token_ids(tokenizer, c)) for c in (c1, c2, c3))
-    assert load["num_segments"] == 4 and load["num_hit_segments"] == 3
+    reused = chunk_tokens_of(tokenizer, ids2, spans) - len(chunk_token_ids(tokenizer, c4))
+    assert load["num_segments"] == 5 and load["num_hit_segments"] == 4  # the system prompt, c3, c2, c1
     assert load["reused_tokens"] == reused
     assert load["computed_tokens"] == load["load_end"] - reused
     store = wait_stored(blend_stats_path, request_id_of(out))
@@ -159,7 +161,9 @@ def test_separator_edges_no_separator_takes_prefix_path(blend_llm, blend_stats_p
     cold = generate(blend_llm, ids)
     assert _one(blend_stats_path, cold, "lookup")["path"] == "none"
     store = wait_stored(blend_stats_path, request_id_of(cold))
-    assert store["stored"] == len(ids) // 64  # chunk_size 64: every full chunk
+    # chunk_size 64: every full chunk, and the prompt as one chunk (LMCache's recipes precompute
+    # a passage by sending it alone)
+    assert store["stored"] == len(ids) // 64 + 1
     again = generate(blend_llm, ids)
     lookup = _one(blend_stats_path, again, "lookup")
     assert lookup["path"] == "prefix" and lookup["num_prefix_hits"] == (len(ids) - 1) // 64
@@ -174,7 +178,7 @@ def test_separator_edges_below_min_tokens(blend_llm, blend_stats_path, tokenizer
     wait_stored(blend_stats_path, request_id_of(cold))
     again = generate(blend_llm, ids)
     lookup = _one(blend_stats_path, again, "lookup")
-    assert lookup["num_hit_segments"] == 1 and lookup["path"] == "none"
+    assert lookup["num_hit_segments"] == 2 and lookup["path"] == "none"
     assert "min_tokens" in lookup["full_prefill_reason"]
     assert not events(blend_stats_path, request_id_of(again), "load")
 
@@ -218,7 +222,7 @@ def test_several_blended_requests_in_one_step(blend_llm, blend_stats_path, token
     outs = blend_llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     settle(blend_llm)
     loads = [_one(blend_stats_path, o, "load") for o in outs]
-    assert [ld["num_hit_segments"] for ld in loads] == [2, 3]
+    assert [ld["num_hit_segments"] for ld in loads] == [3, 4]  # the system prompt and the passages
     assert not any(ld["fallback"] for ld in loads)
     for out, ids in zip(outs, prompts, strict=True):
         assert_matches_full(out, generate(blend_llm, ids, FULL))
@@ -306,15 +310,16 @@ def test_connector_stats_reach_vllm_every_step(blend_llm, tokenizer, monkeypatch
             return got
 
         monkeypatch.setattr(conn, "get_kv_connector_stats", spy)
-    ids, _ = build_blend_prompt(tokenizer, SYSTEM, [passage(900), passage(901)], "Question: ok?")
+    system = SYSTEM + " Count every step."  # stored by no other test
+    ids, _ = build_blend_prompt(tokenizer, system, [passage(900), passage(901)], "Question: ok?")
     generate(blend_llm, ids)
     generate(blend_llm, ids)
     total: dict = {}
     for d in seen:
         for k, v in d.items():
             total[k] = total.get(k, 0) + v
-    assert total["requests"] == 2 and total["stored_chunks"] == 2
-    assert total["hit_segments"] == 2 and total["blend_requests"] == 1
+    assert total["requests"] == 2 and total["stored_chunks"] == 3  # the system prompt and 2 passages
+    assert total["hit_segments"] == 3 and total["blend_requests"] == 1
     assert total["claimed_tokens"] > 0 and total.get("fallbacks", 0) == 0
 
 
@@ -334,15 +339,16 @@ def test_cache_salt_separates_tenants_inside_vllm(blend_llm, blend_stats_path, t
     ``bob``'s request misses them, stores its own, and its answer is full prefill's."""
     a, b, c = passage(41), passage(42), passage(43)
     q = "Question: Which item number belongs to the second passage? Answer:"
-    ids1, _ = build_blend_prompt(tokenizer, SYSTEM, [a, b, c], q)
-    ids2, _ = build_blend_prompt(tokenizer, SYSTEM, [b, c, a], q)
+    system = SYSTEM + " Keep tenants apart."  # stored by no other test, salted or not
+    ids1, _ = build_blend_prompt(tokenizer, system, [a, b, c], q)
+    ids2, _ = build_blend_prompt(tokenizer, system, [b, c, a], q)
     first = _generate_salted(blend_llm, ids1, "alice")
     assert wait_stored(blend_stats_path, request_id_of(first))["stored"] == 3
     bob = _generate_salted(blend_llm, ids2, "bob")
     assert _one(blend_stats_path, bob, "lookup")["num_hit_segments"] == 0
     assert wait_stored(blend_stats_path, request_id_of(bob))["stored"] == 3  # under bob's keys
     alice = _generate_salted(blend_llm, ids2, "alice")
-    assert _one(blend_stats_path, alice, "lookup")["num_hit_segments"] == 3
+    assert _one(blend_stats_path, alice, "lookup")["num_hit_segments"] == 4  # the system prompt too
     assert _one(blend_stats_path, generate(blend_llm, ids2), "lookup")["num_hit_segments"] == 0  # no salt
     ref = generate(blend_llm, ids2, FULL)
     assert_matches_full(bob, ref)

@@ -383,14 +383,9 @@ def test_hma_stays_on_and_one_group_blends_as_before(blend_llm, blend_stats_path
     assert calls and set(calls) == {1}
 
 
-@pytest.fixture(scope="module")
-def hybrid_runs(smollm2_path, tmp_path_factory):
-    """``{"plain": result, "connector": result}`` of ``hybrid_run.py`` on a tiny random
-    Llama with full and sliding-window layers (each engine in its own process)."""
-    from tests.cluster.vllm.hybrid_run import make_hybrid_model
-
-    root = tmp_path_factory.mktemp("hybrid")
-    model = make_hybrid_model(str(root / "model"), smollm2_path)
+def _run_pair(model: str, root) -> dict:
+    """``{"plain": result, "connector": result}`` of ``hybrid_run.py`` on ``model`` (each engine
+    in its own process)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     results = {}
     for mode in ("plain", "connector"):
@@ -403,16 +398,46 @@ def hybrid_runs(smollm2_path, tmp_path_factory):
     return results
 
 
+@pytest.fixture(scope="module")
+def hybrid_runs(smollm2_path, tmp_path_factory):
+    """:func:`_run_pair` on a tiny random Llama with full and sliding-window layers."""
+    from tests.cluster.vllm.hybrid_run import make_hybrid_model
+
+    root = tmp_path_factory.mktemp("hybrid")
+    return _run_pair(make_hybrid_model(str(root / "model"), smollm2_path), root)
+
+
 def test_hybrid_model_leaves_the_connector_idle(hybrid_runs):
     """Full and sliding-window layers: vLLM keeps HMA on and makes two KV cache groups; the
-    connector stays idle in both roles with one warning naming the flag that brings it back,
-    and the engine's outputs equal those of an engine without the connector."""
+    connector stays idle in both roles with one warning (the window, 64 tokens, is shorter
+    than the model's 1024), and the engine's outputs equal those of an engine without the
+    connector."""
     plain, ours = hybrid_runs["plain"], hybrid_runs["connector"]
     for run in (plain, ours):
         assert run["disable_hybrid_kv_cache_manager"] is False
         assert run["kv_cache_groups"] == ["FullAttentionSpec", "SlidingWindowSpec"]
     assert ours["scheduler_enabled"] is False and ours["worker_enabled"] is False
     (warning,) = ours["warnings"]
-    assert "2 KV cache groups" in warning and "--disable-hybrid-kv-cache-manager" in warning
+    assert "sliding-window attention (window 64 tokens < max_model_len 1024)" in warning
     assert ours["events"] == ["start"]  # no lookup, claim, load or store
     assert ours["outputs"] == plain["outputs"]  # token ids and first-step logprobs, exactly
+
+
+def test_sliding_window_model_is_refused_with_one_line_and_outputs_equal_vllms(smollm2_path, tmp_path_factory):
+    """Issue 21: every layer with a 64-token window, prompts of ~300 tokens: one KV cache group
+    (a single-group connector would take it), yet the connector stays idle with one warning
+    and outputs, token ids and first-step logprobs, equal an engine without it (a blend of the
+    reordered prompt with full-attention KV would differ)."""
+    from tests.cluster.vllm.hybrid_run import make_hybrid_model
+
+    root = tmp_path_factory.mktemp("sliding")
+    model = make_hybrid_model(str(root / "model"), smollm2_path, layer_types=("sliding_attention",) * 4)
+    runs = _run_pair(model, root)
+    plain, ours = runs["plain"], runs["connector"]
+    assert plain["num_tokens"] > 64
+    assert plain["kv_cache_groups"] == ours["kv_cache_groups"] == ["SlidingWindowSpec"]
+    assert ours["scheduler_enabled"] is False and ours["worker_enabled"] is False
+    (warning,) = ours["warnings"]
+    assert "sliding-window attention (window 64 tokens < max_model_len 1024)" in warning
+    assert ours["events"] == ["start"]
+    assert ours["outputs"] == plain["outputs"]

@@ -115,7 +115,8 @@ def ask_blend(url: str, tokenizer, passages) -> None:
 def served_namespace_and_lookup(stats_path) -> tuple[set[str], dict]:
     events = read_events(str(stats_path))
     starts = {e["namespace"] for e in events if e["event"] == "start"}
-    lookups = [e for e in events if e["event"] == "lookup" and e.get("num_segments") == 3]
+    # the system prompt (a chunk too, not ingested) and the 3 passages
+    lookups = [e for e in events if e["event"] == "lookup" and e.get("num_segments") == 4]
     assert lookups, events
     return starts, lookups[-1]
 
@@ -149,7 +150,7 @@ def test_vllm_serve_of_a_hub_id_hits_what_ingest_stored(hub, ingested, tokenizer
         ask_blend(url, tokenizer, passages)
     starts, lookup = served_namespace_and_lookup(stats)
     assert starts == {ingested[overrides]}  # scheduler and worker: ingest's namespace
-    assert lookup["num_hit_segments"] == 3, lookup
+    assert lookup["num_hit_segments"] == 3, lookup  # the passages ingest stored
 
 
 _CONNECTOR = """

@@ -36,7 +36,7 @@ def _params(max_tokens: int, kv_params: dict | None = None, **kw):
 
 
 def _cached_prompt(llm, stats_path, tokenizer, seed: int, question: str):
-    """Three passages stored by a cold request; the reordered prompt that hits them all."""
+    """Three passages (and the system prompt) stored by a cold request; the reordered prompt that hits them all."""
     texts = [passage(seed + i, num_sentences=10) for i in range(3)]
     warm, _ = build_blend_prompt(tokenizer, SYSTEM, texts, "Question: warm?")
     generate_and_store(llm, stats_path, warm)
@@ -94,7 +94,7 @@ def test_async_blend_keeps_other_requests_decoding(blend_llm, blend_stats_path, 
     gained_async, out_async = _decoded_during_blend(blend_llm, tokenizer, ids, True, "a")
     load = events(blend_stats_path, "blend-a", "load")
     assert len(load) == 1 and load[0]["load_async"] and not load[0]["fallback"]
-    assert load[0]["num_hit_segments"] == 3
+    assert load[0]["num_hit_segments"] == 4  # the system prompt and 3 passages
     assert load[0]["engine_steps"] >= num_layers and load[0]["busy_steps"] >= num_layers
     assert gained_async >= num_layers  # a decode step per blended layer
     assert_matches_full(out_async, ref)
@@ -130,7 +130,7 @@ def test_abort_during_async_load_frees_the_blocks(blend_llm, blend_stats_path, t
     assert not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0
     out = generate(blend_llm, ids)
     (load,) = events(blend_stats_path, out.request_id, "load")
-    assert load["num_hit_segments"] == 3 and not load["fallback"]
+    assert load["num_hit_segments"] == 4 and not load["fallback"]
     assert_matches_full(out, generate(blend_llm, ids, FULL))
 
 
@@ -153,7 +153,7 @@ def test_preempted_blended_request_is_blended_again(blend_llm, blend_stats_path,
                 final = out
     settle(blend_llm)
     loads = events(blend_stats_path, "preempt-me", "load")
-    assert len(loads) == 2 and all(ld["num_hit_segments"] == 3 and not ld["fallback"] for ld in loads)
+    assert len(loads) == 2 and all(ld["num_hit_segments"] == 4 and not ld["fallback"] for ld in loads)
     assert final is not None
     assert_matches_full(final, generate(blend_llm, ids, FULL))
 
@@ -184,7 +184,7 @@ def test_chunked_prefill_of_a_blended_query(blend_llm, blend_stats_path, tokeniz
     settle(blend_llm)
     (lookup,) = events(blend_stats_path, "chunked", "lookup")
     (load,) = events(blend_stats_path, "chunked", "load")
-    assert lookup["path"] == "blend" and load["num_hit_segments"] == 3 and not load["fallback"]
+    assert lookup["path"] == "blend" and load["num_hit_segments"] == 4 and not load["fallback"]
     tail = len(ids) - load["load_end"]
     assert tail > budget
     prefill_steps = [n for n in scheduled if n > 1]

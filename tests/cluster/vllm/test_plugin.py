@@ -40,10 +40,11 @@ def test_short_name_loads_the_connector_in_both_roles(plugin_run):
     result, stats = plugin_run
     cold, blended, repeat = result["outputs"]
     lookups = [events(stats, o["request_id"], "lookup")[0] for o in (cold, blended)]
-    assert [lk["num_segments"] for lk in lookups] == [3, 3]
-    store = events(stats, cold["request_id"], "store")[0]
-    assert store["stored"] == 3 and store["error"] is None
-    assert store["pid"] != lookups[0]["pid"] != os.getpid()  # three processes, one stats file
+    assert [lk["num_segments"] for lk in lookups] == [4, 4]  # the system prompt and 3 passages
+    stores = events(stats, cold["request_id"], "store")
+    # the passages computed canonically, the system prompt gathered from vLLM's paged KV
+    assert sum(st["stored"] for st in stores) == 4 and all(st["error"] is None for st in stores)
+    assert stores[0]["pid"] != lookups[0]["pid"] != os.getpid()  # three processes, one stats file
     assert len(blended["token_ids"]) >= 1
 
 
@@ -77,11 +78,11 @@ def test_ray_cache_shared_by_scheduler_and_worker_processes(smollm2_path, tmp_pa
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     cold, blended, _ = json.loads(lines[-1][len("RESULT "):])["outputs"]
-    assert events(stats, cold["request_id"], "store")[0]["stored"] == 3
+    assert sum(st["stored"] for st in events(stats, cold["request_id"], "store")) == 4
     lookup = events(stats, blended["request_id"], "lookup")[0]
-    assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 3)
+    assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 4)  # the system prompt and 3 passages
     load = events(stats, blended["request_id"], "load")[0]
-    assert not load["fallback"] and load["num_hit_segments"] == 3
+    assert not load["fallback"] and load["num_hit_segments"] == 4
 
 
 def test_second_engine_hits_chunks_stored_by_the_first(smollm2_path, tmp_path_factory, ray_cache):
@@ -96,7 +97,7 @@ def test_second_engine_hits_chunks_stored_by_the_first(smollm2_path, tmp_path_fa
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     (blended,) = json.loads(lines[-1][len("RESULT "):])["outputs"]
     lookup = events(stats, blended["request_id"], "lookup")[0]
-    assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 3)
+    assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 4)
     assert not events(stats, blended["request_id"], "store")  # nothing new to store
     load = events(stats, blended["request_id"], "load")[0]
-    assert not load["fallback"] and load["num_hit_segments"] == 3
+    assert not load["fallback"] and load["num_hit_segments"] == 4

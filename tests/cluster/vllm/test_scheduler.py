@@ -131,7 +131,8 @@ def test_all_chunks_cached_claims_up_to_the_query_on_the_async_path(make_schedul
     assert sched.get_num_new_matched_tokens(FakeRequest("r", ids), 0) == (query_start(spans), True)
     lookup, claim = read_events(events_path)
     assert (lookup["event"], lookup["path"], lookup["num_hit_segments"]) == ("lookup", "blend", 3)
-    assert lookup["num_store_segments"] == 0 and lookup["tier_hits"] == {"host": 3}
+    # the one segment to store is the system prompt: a first segment is a chunk too (issue 21)
+    assert lookup["num_store_segments"] == 1 and lookup["tier_hits"] == {"host": 3}
     assert (claim["event"], claim["claimed_tokens"], claim["load_async"]) == ("claim", query_start(spans), True)
 
 
@@ -164,8 +165,10 @@ def test_a_missed_chunk_is_computed_by_vllm_and_scheduled_for_storing_once(make_
     assert [s.request_id for s in meta.loads] == ["a"]
     meta = sched.build_connector_meta(step(cached=[("a", None, claim, len(ids) - claim, False)]))
     (spec,) = meta.stores
-    assert [k for k, _ in spec.segments] == [missed]
-    assert list(spec.segments[0][1]) == chunk_token_ids(tokenizer, PASSAGES[1])
+    # the system prompt (first segment, a chunk too: issue 21) is computed canonically as well
+    system = segment_key(NAMESPACE, ids[:spans[0][2]])
+    assert [k for k, _ in spec.segments] == [system, missed]
+    assert list(spec.segments[1][1]) == chunk_token_ids(tokenizer, PASSAGES[1])
     # another request missing the same chunk does not store it again
     ids2, _ = build_blend_prompt(tokenizer, SYSTEM, PASSAGES[::-1], "Question: when?")
     sched.get_num_new_matched_tokens(FakeRequest("b", ids2), 0)
@@ -176,7 +179,7 @@ def test_nothing_cached_claims_nothing(make_scheduler, prompt, events_path):
     ids, _ = prompt
     assert make_scheduler().get_num_new_matched_tokens(FakeRequest("r", ids), 0) == (0, False)
     lookup = read_events(events_path)[0]
-    assert lookup["path"] == "none" and lookup["num_store_segments"] == 3
+    assert lookup["path"] == "none" and lookup["num_store_segments"] == 4   # 3 passages + the system prompt
     assert lookup["full_prefill_reason"].startswith("fewer than min_tokens")
 
 
@@ -277,8 +280,10 @@ def test_prompt_without_separators_takes_the_prefix_path(make_scheduler, client,
     assert load.slot_mapping.tolist() == slots(blocks, 2 * BLOCK_SIZE, 3 * CHUNK_SIZE)
     assert load.prefix == [(k, i * CHUNK_SIZE, (i + 1) * CHUNK_SIZE) for i, k in enumerate(keys[:3])]
     (store_spec,) = meta.stores    # the 4th chunk is complete after this step's forward
-    ((key, key_slots),) = store_spec.prefix
-    assert key == keys[3] and key_slots.tolist() == slots(blocks, 3 * CHUNK_SIZE, 4 * CHUNK_SIZE)
+    # and so is the whole prompt, stored as one segment too (issue 21: a passage sent alone)
+    gathered = {k: key_slots.tolist() for k, key_slots in store_spec.prefix}
+    assert gathered == {keys[3]: slots(blocks, 3 * CHUNK_SIZE, 4 * CHUNK_SIZE),
+                        segment_key(NAMESPACE, ids): slots(blocks, 0, len(ids))}
     assert sched.request_finished(req, blocks) == (False, None)   # prefix puts need no held blocks
 
 
@@ -291,7 +296,8 @@ def test_prefix_chunks_are_stored_as_chunked_prefill_completes_them(make_schedul
     first = sched.build_connector_meta(step(new=[("r", [5, 6, 7], 0, 40)]))
     assert [k for s in first.stores for k, _ in s.prefix] == prefix_keys(NAMESPACE, ids, CHUNK_SIZE)[:1]
     second = sched.build_connector_meta(step(cached=[("r", [8, 9, 10, 11], 40, len(ids) - 40, False)]))
-    ((_, first_slots), (_, second_slots)) = second.stores[0].prefix
+    ((whole, _), (_, first_slots), (_, second_slots)) = second.stores[0].prefix
+    assert whole == segment_key(NAMESPACE, ids)    # the whole prompt, once computed (issue 21)
     blocks = [5, 6, 7, 8, 9, 10, 11]
     assert first_slots.tolist() == slots(blocks, CHUNK_SIZE, 2 * CHUNK_SIZE)
     assert second_slots.tolist() == slots(blocks, 2 * CHUNK_SIZE, 3 * CHUNK_SIZE)
@@ -331,7 +337,8 @@ def test_request_finished_holds_blocks_while_segments_are_to_be_stored(make_sche
     for req in (held, early):
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         sched.update_state_after_alloc(req, FakeBlocks(range(40)), 0)
-    assert [e["num_store_segments"] for e in read_events(events_path) if e["event"] == "lookup"] == [3, 1]
+    # + the system prompt (first segment: gathered after the forward, needs no held blocks), once
+    assert [e["num_store_segments"] for e in read_events(events_path) if e["event"] == "lookup"] == [4, 1]
     # "early" finishes (aborted) before it is ever scheduled: its segment was never sent
     assert sched.request_finished(early, list(range(40))) == (False, None)
     meta = sched.build_connector_meta(step(new=[("held", range(40), 0, len(ids))]))
