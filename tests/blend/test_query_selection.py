@@ -287,3 +287,27 @@ def LocalCacheClientEmpty():  # noqa: N802 - a factory named like the class it b
     from tiers.tier import MemoryTier
 
     return LocalCacheClient(MemoryTier(1 << 20, name="host"))
+
+
+def test_the_probe_leaves_missed_chunks_out(make_setup, monkeypatch):
+    """A missed chunk has no cached KV and is computed by the blend anyway: the probe neither
+    computes nor attends to its rows (every probe layer's keys are the prompt without them),
+    its rows get no mass, and the blend still spends the whole budget on reused rows."""
+    import blend.query_selection as qs
+
+    engine, client, chunks = _setup(make_setup, num_chunks=3, chunk_len=30)
+    missed = random_chunks(1, 30, seed=7)[0]  # never stored
+    ids, spans = blend_prompt([1, 2, 3], [chunks[0], missed, chunks[1], chunks[2]], [4, 5, 6, 9, 10])
+    keys_seen, real = [], qs.query_attention_mass
+
+    def spy(q, q_pos, k, scale, v=None):
+        keys_seen.append(k.shape[0])
+        return real(q, q_pos, k, scale, v)
+
+    monkeypatch.setattr(qs, "query_attention_mass", spy)
+    res = engine.blend(plan_for(ids, spans, client, ratio=0.15, selection="query_attention", sink_tokens=4))
+    c = res.counters
+    assert keys_seen and set(keys_seen) == {len(ids) - len(missed)}
+    assert c.selected_tokens == num_to_select(c.reused_tokens, 0.15) > 0
+    (start, end), = [(s, e) for kind, s, e in spans if kind == "chunk"][1:2]
+    assert set(range(start, end)) <= set(res.recompute_idx.tolist())  # the blend computes the miss

@@ -29,8 +29,17 @@ def test_demo_tiny(tmp_path):
     data = json.loads(out.read_text())
     assert set(data) >= {"kvblend", "full", "vllm_prefix"}
     for mode in ("kvblend", "full", "vllm_prefix"):
-        for key in ("ttft_p50_s", "ttft_p90_s", "agreement"):
+        for key in ("ttft_p50_s", "ttft_p90_s", "ttft_ratio", "serving_s", "agreement"):
             assert data[mode][key] >= 0
+        assert data[mode]["ttft_p90_s"] >= data[mode]["ttft_p50_s"]
+    assert data["full"]["ttft_ratio"] == 1.0 and data["full"]["agreement"] == 1.0
+    meta = data["_meta"]
+    assert (meta["num_queries"], meta["passages_per_query"]) == (2, 3)
+    assert meta["mean_prompt_tokens"] > 0 and sorted(meta["modes"]) == ["full", "kvblend", "vllm_prefix"]
+    assert meta["elapsed_s"] > sum(data[m]["serving_s"] for m in ("kvblend", "full", "vllm_prefix"))
+    assert {"baseline engine start", "full serving", "vllm_prefix serving", "ingest", "kvblend engines start",
+            "kvblend serving"} <= set(meta["steps"])
+    assert meta["ingest"]["stored"] > 0 and meta["ingest"]["tokens"] > 0
     kv = data["kvblend"]
     assert kv["blended_requests"] >= 2, kv       # the blend path ran in the replicas
     assert kv["hit_rate"] > 0.5, kv               # ingested passages were found by the replicas
@@ -38,6 +47,7 @@ def test_demo_tiny(tmp_path):
     assert kv["fallbacks"] == 0
     assert (tmp_path / "work" / "demo-ttft.png").stat().st_size > 1000
     assert "kvblend demo" in r.stdout             # the table was printed
+    assert "ingest (before serving" in r.stdout and "next:" in r.stdout and str(out) in r.stdout
 
 
 def test_examples_blend_rag_runs_as_is():
