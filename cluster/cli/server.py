@@ -16,7 +16,9 @@ flags). Re-running it is safe: shards are created with ``get_if_exists`` (nodes 
 since get their shards; existing ones are untouched). ``--block`` also re-checks every
 :data:`RESCAN_S` seconds for new cache nodes (autoscaling).
 
-Secrets (issue 19): a Redis password stays out of the process list when the URL comes through
+Ray token authentication (issue 19): a head started here requires Ray's token
+(:mod:`cluster.cli.ray_auth`: created when none exists; ``--no-auth`` says loudly what it
+turns off). Secrets: a Redis password stays out of the process list when the URL comes through
 ``$KVBLEND_REDIS_URL`` or ``--redis-url-file PATH``; ``--redis-url`` still works but its value
 is visible to ``ps``. The logged config masks it (:func:`cluster.config.log_config`).
 
@@ -72,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp-dir", default=None,
                    help="Ray's temp/session directory of a head started here (default /tmp/ray; keep it short: "
                         "Ray puts Unix sockets under it)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="start the Ray head WITHOUT token authentication (default: on; a token is created "
+                        "in ~/.ray/auth_token when none exists): anyone who reaches its ports can run code")
     p.add_argument("--block", action="store_true",
                    help="run Ray inside this process and serve until interrupted")
 
@@ -80,8 +85,11 @@ _FLAG_FIELDS = ("host_size_gib", "disk_path", "disk_size_gib", "redis_url", "s3_
                 "eviction_policy", "engine_type", "shards_per_node", "object_store_gib")
 
 
-def _start_head(cfg, args) -> str:
-    """``ray start --head`` with the shard resource; returns the GCS address."""
+def _start_head(cfg, args) -> tuple[str, str | None]:
+    """``ray start --head`` with the shard resource and token authentication
+    (:mod:`cluster.cli.ray_auth`); returns the GCS address and where the token is (None with
+    ``--no-auth``)."""
+    from cluster.cli.ray_auth import head_env
     from cluster.workloads.services import free_port
 
     ray_exe = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
@@ -97,11 +105,12 @@ def _start_head(cfg, args) -> str:
         cmd.append(f"--metrics-export-port={args.metrics_export_port}")
     if args.temp_dir:
         cmd.append(f"--temp-dir={args.temp_dir}")
+    env, token_where = head_env(ray_exe, no_auth=args.no_auth)
     log.info("starting Ray head: %s", " ".join(cmd))
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"`ray start --head` failed ({done.returncode}): {done.stderr[-2000:]}")
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{port}", token_where
 
 
 def read_url_file(path: str) -> str:
@@ -153,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
     from cluster.cache.connect import connect
     from cluster.cache.lifecycle import start_shards
 
+    token_where = None
     if c.ray_address == "local" and args.block:
+        if args.no_auth:  # else ray.init turns token auth on for a new local cluster itself
+            from cluster.cli.ray_auth import head_env
+
+            head_env("ray", no_auth=True)
         connect(c, include_dashboard=not args.no_dashboard, dashboard_port=args.dashboard_port,
                 metrics_export_port=args.metrics_export_port, temp_dir=args.temp_dir)
     else:
@@ -162,13 +176,17 @@ def run(args: argparse.Namespace) -> int:
             if c.ray_address not in ("auto", "local"):
                 print(f"kvblend: cannot reach Ray at {c.ray_address!r}", file=sys.stderr)
                 return 1
-            address = _start_head(cfg, args)
+            address, token_where = _start_head(cfg, args)
             cfg = load_config(args.config, overrides={**overrides, "ray_address": address})
             c = cfg.cluster
             if connect(c) is None:
                 print(f"kvblend: started Ray at {address} but cannot connect", file=sys.stderr)
                 return 1
     address = ray.get_runtime_context().gcs_address
+    if token_where is not None:
+        from cluster.cli.ray_auth import announce
+
+        announce(token_where, address)
     names = start_shards(cfg)
     try:
         dashboard = ray._private.worker.get_dashboard_url() or ""
