@@ -50,3 +50,17 @@ def blend_llm(smollm2_path, blend_stats_path):
               enable_prefix_caching=False, kv_transfer_config=ktc, seed=0)
     yield llm
     del llm
+
+
+@pytest.fixture
+def client():
+    """A fresh in-process cache client (the scheduler tests' cache)."""
+    from cluster.cache.local import LocalCacheClient
+
+    return LocalCacheClient()
+
+
+@pytest.fixture
+def events_path(tmp_path) -> str:
+    """Where a scheduler test's connector writes its events."""
+    return str(tmp_path / "events.jsonl")

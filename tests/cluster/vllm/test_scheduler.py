@@ -83,16 +83,6 @@ def store(client, key, num_tokens: int) -> None:
 
 
 @pytest.fixture
-def client() -> LocalCacheClient:
-    return LocalCacheClient()
-
-
-@pytest.fixture
-def events_path(tmp_path) -> str:
-    return str(tmp_path / "events.jsonl")
-
-
-@pytest.fixture
 def make_scheduler(tokenizer, client, events_path):
     """``make_scheduler(**overrides)``: a scheduler half over ``client`` (config overrides
     as in ``kv_connector_extra_config``; ``tp_size``/``load_async``/``client`` as keywords)."""

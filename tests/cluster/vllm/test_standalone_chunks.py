@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 
 from blend.segments import build_blend_prompt, chunk_token_ids
-from cluster.cache.local import LocalCacheClient
 from cluster.config import load_config
 from cluster.vllm.events import EventLog, read_events
 from cluster.vllm.metrics import Counters
@@ -51,16 +50,6 @@ class BosTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
-
-
-@pytest.fixture
-def client() -> LocalCacheClient:
-    return LocalCacheClient()
-
-
-@pytest.fixture
-def events_path(tmp_path) -> str:
-    return str(tmp_path / "events.jsonl")
 
 
 @pytest.fixture
