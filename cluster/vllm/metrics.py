@@ -8,6 +8,12 @@ the scheduler by ``aggregate``), ships them to the front end, and hands them to
 counter ``vllm:kvblend_<name>_total``, labelled per engine like vLLM's own. vLLM's
 ``vllm:external_prefix_cache_hits_total`` counts the tokens the connector claimed.
 
+Counters reach ``/metrics`` only with an engine step: the store counters (``stored_*``,
+``store_*``) are bumped on the worker's I/O thread when a put finishes, so a put that finishes
+after an idle engine's last step shows up with the next request's step. The cluster's own
+count of accepted puts (``kvblend status --json``, every shard's ``counters.puts``) has no
+such lag.
+
 ``KVConnectorStats`` is vLLM's term for such a batch of deltas; the connector's per-request
 JSON lines are :mod:`cluster.vllm.events`, a different thing.
 """

@@ -127,6 +127,17 @@ def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path
     def counter(name: str) -> float:
         return _metric(requests.get(url + "/metrics", timeout=10).text, f"vllm:kvblend_{name}_total")
 
+    def cluster_puts() -> int:
+        """Chunks the README's cluster accepted (every shard's ``puts``, from ``kvblend status
+        --json``): the store's own count. vLLM's ``stored_chunks`` counter is not used to wait:
+        it reaches ``/metrics`` with an engine step, and a put that finishes after the engine's
+        last step is published only with the next request's."""
+        r = subprocess.run(["bash", "-c", "kvblend status --json"], env=_env(), capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        shards = json.loads(r.stdout)["shards"].values()
+        return sum(int(s.get("counters", {}).get("puts", 0)) for s in shards)
+
     def wait(check, what: str, timeout_s: float = 120.0) -> None:
         deadline = time.time() + timeout_s  # a hang guard, not a timing assertion
         while not check():
@@ -145,7 +156,7 @@ def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path
     # prompt from the others)
     for prompt in (system + sep + chunks[0], chunks[1], chunks[2]):
         complete(prompt)
-    wait(lambda: counter("stored_chunks") >= 4, "the four precomputed segments to be stored")
+    wait(lambda: cluster_puts() >= 4, "the four precomputed segments to be stored")
 
     blend = system + sep + chunks[1] + sep + chunks[0] + sep + chunks[2] + sep + "Hello, how are you?"
     blend_hits, text = hits_of(blend, 4)
@@ -160,9 +171,9 @@ def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path
     assert whole_hits < 4, f"whole-string ids hit {whole_hits} segments"
 
     # no system prompt: the first passage is missed and stored as a chunk ...
-    before = counter("stored_chunks")
+    before = cluster_puts()
     complete(fresh + sep + chunks[1] + sep + "Which greeting?")
-    wait(lambda: counter("stored_chunks") > before, "the first passage to be stored")
+    wait(lambda: cluster_puts() > before, "the first passage to be stored")
     # ... then reused in second position, with a stored chunk in first position
     reuse_hits, _ = hits_of(chunks[1] + sep + fresh + sep + chunks[2] + sep + "Which greeting?", 3)
     assert reuse_hits == 3, f"{reuse_hits} hit segments (want chunk2 first, the first passage, chunk3)"
