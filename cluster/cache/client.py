@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +47,7 @@ import torch
 from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.connect import connect
 from cluster.cache.deadline import lookup_wait_s
-from cluster.cache.headers import HeaderCache
+from cluster.cache.headers import HeaderCache, HeaderEntry
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.placement import Placement
 from cluster.cache.puts import ShardWriter
@@ -70,24 +71,6 @@ DEFAULT_MAX_MAPPED_BYTES = 256 << 20
 
 COUNTERS = ("lookups", "hits", "misses", "read_errors", "shard_errors", "timeouts", "direct_reads",
             "puts", "put_errors", "puts_dropped", "placement_moves", "layer_reads", "layer_misses")
-
-
-class _Entry:
-    """What the client knows about one chunk after a lookup."""
-
-    __slots__ = ("header", "shard", "tier", "ref", "_positions")
-
-    def __init__(self, header: ChunkHeader, shard: str, tier: str, ref=None) -> None:
-        self.header = header
-        self.shard = shard      # owner that answered; "" when read from a shared tier directly
-        self.tier = tier
-        self.ref = ref          # the object's ObjectRef until it is mapped, else None
-        self._positions: tuple[int, ...] | None = None
-
-    def positions(self) -> tuple[int, ...]:
-        if self._positions is None:
-            self._positions = tuple(self.header.position_list())
-        return self._positions
 
 
 class CacheClient:
@@ -118,7 +101,7 @@ class CacheClient:
         if connect(config.cluster) is None:
             raise ConnectionError(f"Ray is not reachable at ray_address={config.cluster.ray_address!r}")
         self._lock = threading.Lock()
-        self._meta: HeaderCache = HeaderCache()  # ChunkKey -> _Entry, oldest first
+        self._meta: HeaderCache = HeaderCache()  # ChunkKey -> HeaderEntry, oldest first
         # key -> (mapped object, its own header): a tier may re-encode a chunk (lz4 below
         # memory), so offsets come from the object's header, not the one a lookup returned
         self._objects: OrderedDict[ChunkKey, tuple[np.ndarray, ChunkHeader]] = OrderedDict()
@@ -137,6 +120,12 @@ class CacheClient:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
+
+    def _fetch_timeout_s(self) -> float:
+        """Seconds one ``fetch_layer`` read may take in all: the blend's ``load_timeout_s``
+        (its reader waits no longer) or ``call_timeout_s``, whichever is longer."""
+        blend = getattr(self.config, "blend", None)
+        return max(self.timeout_s, getattr(blend, "load_timeout_s", 0.0) or 0.0)
 
     def _placement_changed(self, old: Placement | None, new: Placement | None) -> None:
         """Forget what this client knows of keys whose owner changed (they become misses)."""
@@ -199,14 +188,14 @@ class CacheClient:
         self._count("misses", len(keys) - hits)
         return out
 
-    def _entry_for(self, key: ChunkKey, shard: str, hit: tuple) -> _Entry | None:
+    def _entry_for(self, key: ChunkKey, shard: str, hit: tuple) -> HeaderEntry | None:
         """The entry of one shard lookup hit ``(tier, header bytes, [ref] or None)``; None
         (counted as ``read_errors``) when its header does not parse as ``key``'s."""
         tier, header_bytes, ref = hit
         with self._lock:
             old = self._meta.get(key)
         if not header_bytes and old is not None:  # we hold it: the shard sent none
-            entry = old if old.shard == shard else _Entry(old.header, shard, tier)
+            entry = old if old.shard == shard else HeaderEntry(old.header, shard, tier)
             entry.tier = tier
             return entry
         try:
@@ -215,18 +204,18 @@ class CacheClient:
             log.debug("bad header for %s from %s: %s", key, shard, e)
             self._count("read_errors")
             return None
-        return _Entry(header, shard, tier, ref[0] if ref else None)
+        return HeaderEntry(header, shard, tier, ref[0] if ref else None)
 
     def _direct_lookup(self, key: ChunkKey) -> ChunkMeta | None:
         for tier in self._shared_tiers():
             header = read_header(tier, key)
             if header is not None:
                 self._count("direct_reads")
-                self._remember(key, _Entry(header, "", tier.name))
+                self._remember(key, HeaderEntry(header, "", tier.name))
                 return ChunkMeta(key, header.num_tokens, tuple(header.position_list()), tier.name)
         return None
 
-    def _remember(self, key: ChunkKey, entry: _Entry) -> None:
+    def _remember(self, key: ChunkKey, entry: HeaderEntry) -> None:
         # A cached object stays valid: keys are content-addressed and objects first-wins,
         # so the KV under a key never changes (its encoding may: see _own_header). A chunk
         # deleted by another process may still be served from here until evicted: the same,
@@ -284,7 +273,7 @@ class CacheClient:
         """The Redis/S3 tiers read directly when an owner shard is dead (may be empty)."""
         return self._shared_tiers()
 
-    def map_for_read(self, keys: list[ChunkKey]) -> tuple[list[_Entry | None], list[tuple | None]]:
+    def map_for_read(self, keys: list[ChunkKey]) -> tuple[list[HeaderEntry | None], list[tuple | None]]:
         """Look up unknown keys, then map the objects of ``keys`` (one ``get_refs`` call per
         owning shard, one batched ``ray.get``): per key its entry (or None) and its mapped
         ``(array, own header)`` (or None: a miss, or only a shared tier holds it)."""
@@ -300,6 +289,9 @@ class CacheClient:
         return entries, arrays
 
     def _fetch_unsafe(self, keys: list[ChunkKey], layer_idx: int) -> list[torch.Tensor | None]:
+        # one deadline for the whole read (issue 20): past it, direct reads from the shared tiers
+        # (one io_timeout_s each, serial) are not started; those keys are misses (``timeouts``)
+        deadline = time.monotonic() + self._fetch_timeout_s()
         entries, arrays = self.map_for_read(keys)
         # slice, check and copy each layer; shared tiers for the rest
         out: list[torch.Tensor | None] = []
@@ -309,12 +301,15 @@ class CacheClient:
                 if a is not None:
                     t = self._slice(k, a[1], a[0], layer_idx)
                 elif self._shared_tiers():
-                    t = self._direct_layer(k, e.header, layer_idx)
+                    if time.monotonic() < deadline:
+                        t = self._direct_layer(k, e.header, layer_idx)
+                    else:
+                        self._count("timeouts")
             self._count("layer_reads" if t is not None else "layer_misses")
             out.append(t)
         return out
 
-    def _request_refs(self, keys: list[ChunkKey], entries: list[_Entry | None],
+    def _request_refs(self, keys: list[ChunkKey], entries: list[HeaderEntry | None],
                       arrays: list[tuple | None]) -> None:
         """Set ``entries[i].ref`` for shard-held chunks not mapped and without a ref yet: one
         ``get_refs`` call per shard, in parallel (a shard that fails leaves them unset)."""
@@ -332,7 +327,7 @@ class CacheClient:
                 if got is not None:
                     entries[i].ref = got[0]
 
-    def _map_objects(self, keys: list[ChunkKey], entries: list[_Entry | None],
+    def _map_objects(self, keys: list[ChunkKey], entries: list[HeaderEntry | None],
                      arrays: list[tuple | None]) -> None:
         """``ray.get`` the objects of entries with a ref (zero-copy on the same node) into
         ``arrays[i]`` and the mapped LRU, then evict it down to ``max_mapped_bytes``.
@@ -350,13 +345,14 @@ class CacheClient:
                 refs.append(ref)
         if not fetch:
             return
+        deadline = time.monotonic() + self.timeout_s  # the batch and the one-by-one retry share it
         try:  # one batched get (0.3 ms per ref saved under load, measured in the bench)
             got = ray.get(refs, timeout=self.timeout_s)
         except Exception:  # noqa: BLE001 - find which one failed, one by one
             got = []
             for i, ref in zip(fetch, refs, strict=True):
-                try:
-                    got.append(ray.get(ref, timeout=self.timeout_s))
+                try:  # timeout 0 past the deadline: an object already local is still taken
+                    got.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
                 except Exception as e:  # noqa: BLE001 - owner died / object lost / slow
                     log.debug("object of %s unavailable: %r", keys[i], e)
                     self._count("shard_errors")

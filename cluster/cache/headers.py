@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from tiers.format import ChunkHeader
+
 #: the entry, its header object, the key strings and the ordered-dict slot
 HEADER_OVERHEAD_BYTES = 1024
 #: one LayerEntry (a frozen dataclass of five ints) in the header's tuple
@@ -84,3 +86,22 @@ class HeaderCache(OrderedDict):
         while self.nbytes > max_bytes and self:
             dropped.append(self.popitem(last=False)[0])
         return dropped
+
+
+class HeaderEntry:
+    """What a :class:`cluster.cache.client.CacheClient` knows about one chunk after a lookup:
+    its parsed header, the shard that answered, the tier and, until mapped, its ObjectRef."""
+
+    __slots__ = ("header", "shard", "tier", "ref", "_positions")
+
+    def __init__(self, header: ChunkHeader, shard: str, tier: str, ref=None) -> None:
+        self.header = header
+        self.shard = shard      # owner that answered; "" when read from a shared tier directly
+        self.tier = tier
+        self.ref = ref          # the object's ObjectRef until it is mapped, else None
+        self._positions: tuple[int, ...] | None = None
+
+    def positions(self) -> tuple[int, ...]:
+        if self._positions is None:
+            self._positions = tuple(self.header.position_list())
+        return self._positions

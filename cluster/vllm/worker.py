@@ -272,11 +272,24 @@ class KVBlendWorker:
         self._events.write("load", **run.record)
 
     def _load_prefix(self, spec: LoadSpec, layers: dict) -> None:
-        """Exact prefix chunks: each layer of every chunk, written at its slots."""
+        """Exact prefix chunks: each layer of every chunk, written at its slots.
+
+        Every layer is asked for at once; each is waited for at most ``load_timeout_s`` once
+        this loop reaches it (the blend engine's rule, issue 20). A layer not delivered by
+        then, or unreadable, raises ``RuntimeError`` and the caller recomputes the request by
+        full prefill (the read is cancelled)."""
         keys = [k for k, _, _ in spec.prefix]
         num_layers = len(self._kv_caches)
-        for layer_idx in range(num_layers):
-            got = self.client.fetch_layer(keys, layer_idx).result(timeout=self.config.cluster.call_timeout_s * 10)
+        timeout_s = self.config.blend.load_timeout_s
+        futures = self.client.fetch_layers(keys, list(range(num_layers)))
+        for layer_idx, fut in enumerate(futures):
+            try:
+                got = fut.result(timeout=timeout_s)
+            except TimeoutError:
+                for f in futures[layer_idx:]:
+                    f.cancel()
+                raise RuntimeError(f"prefix chunk layer {layer_idx} not delivered within "
+                                   f"load_timeout_s={timeout_s:g} s") from None
             if any(t is None for t in got):
                 raise RuntimeError(f"prefix chunk layer {layer_idx} unreadable")
             kv = torch.cat(list(got), dim=1)  # [2, hits * chunk_size, H, D]

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.cache import client as client_mod
+from cluster.cache.headers import HeaderEntry
 from tests.factories import make_key
 from tiers.format import ChunkHeader, LayerEntry
 
@@ -41,7 +42,7 @@ def _entry(key, num_layers: int, num_tokens: int, runs: int = 1):
     header = ChunkHeader(key=str(key), dtype="bfloat16", num_layers=num_layers,
                          num_tokens=num_tokens, num_kv_heads=1, head_dim=1, positions=positions,
                          layers=(layer,) * num_layers, header_end=64)
-    return client_mod._Entry(header, "shard-0", "host")
+    return HeaderEntry(header, "shard-0", "host")
 
 
 def test_big_headers_are_bounded_by_bytes_and_take_their_mappings_along(client):

@@ -1,0 +1,117 @@
+"""A worker-side read has one deadline (issue #20): ``CacheClient.fetch_layer`` no longer
+spends ``call_timeout_s`` per object when the batched ``ray.get`` fails, nor ``io_timeout_s``
+per key reading shared tiers directly, one after another.
+
+No Ray cluster and no sleeping: ``CacheClient`` is built with stand-ins for its connection,
+router and writer (as in ``test_client_headers.py``), and the client module's clock is a fake
+that each stand-in read advances by what the real call would have waited."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.cache import client as client_mod
+from cluster.cache.headers import HeaderEntry
+from tests.factories import make_key
+from tiers.format import ChunkHeader, LayerEntry
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _NoShards:
+    def __init__(self, *args) -> None:
+        pass
+
+    def refresh(self, force: bool = False) -> None:
+        pass
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(client_mod, "time", c)
+    return c
+
+
+@pytest.fixture
+def client(monkeypatch, clock):
+    monkeypatch.setattr(client_mod, "connect", lambda cluster: object())
+    monkeypatch.setattr(client_mod, "ShardRouter", _NoShards)
+    monkeypatch.setattr(client_mod, "ShardWriter", lambda router, count: None)
+    cfg = SimpleNamespace(cluster=SimpleNamespace(call_timeout_s=1.0, ray_address="", ray_namespace="test"),
+                          blend=SimpleNamespace(load_timeout_s=2.0), tiers=None)
+    c = client_mod.CacheClient(cfg)
+    yield c
+    c.close()
+
+
+def _entry(key, shard: str = "") -> HeaderEntry:
+    layer = LayerEntry(offset=0, stored_len=1, raw_len=1, codec=0, checksum=0)
+    header = ChunkHeader(key=str(key), dtype="bfloat16", num_layers=2, num_tokens=4, num_kv_heads=1,
+                         head_dim=1, positions=((0, 4),), layers=(layer,) * 2, header_end=64)
+    return HeaderEntry(header, shard, "redis")
+
+
+def test_direct_reads_stop_at_the_fetch_deadline(client, clock, monkeypatch):
+    """Eight keys only a shared tier holds, each direct read taking 0.6 s (an ``io_timeout_s``
+    near its limit): reads start until ``max(call_timeout_s, load_timeout_s)`` = 2 s have
+    passed, the other keys are misses counted as ``timeouts``; before, all eight were read
+    (4.8 s on one of the client's four threads)."""
+    keys = [make_key(i) for i in range(8)]
+    started = []
+
+    def direct(key, header, layer_idx):
+        started.append(key)
+        clock.now += 0.6
+        return f"layer of {key}"
+
+    monkeypatch.setattr(client, "map_for_read", lambda ks: ([_entry(k) for k in ks], [None] * len(ks)))
+    monkeypatch.setattr(client, "_shared_tiers", lambda: ["redis"])
+    monkeypatch.setattr(client, "_direct_layer", direct)
+    t0 = clock.now
+    got = client._fetch(keys, 1)
+    assert len(started) == 4  # at 0, 0.6, 1.2 and 1.8 s; the fifth would start at 2.4 s
+    assert got[:4] == [f"layer of {k}" for k in keys[:4]] and got[4:] == [None] * 4
+    assert client.counters["timeouts"] == 4 and client.counters["layer_misses"] == 4
+    assert clock.now - t0 <= 2.0 + 0.6  # the last read started before the deadline
+
+
+def test_one_by_one_object_gets_share_the_call_deadline(client, clock, monkeypatch):
+    """The batched ``ray.get`` of five objects times out (``call_timeout_s`` = 1 s); the
+    one-by-one retry then gets what is left of the same second (0 s: only objects already
+    local), not a second each: before, 1 + 5 x 1 s."""
+    import ray
+
+    waits = []
+
+    def fake_get(refs, timeout=None):
+        waits.append(timeout)
+        clock.now += timeout
+        raise ray.exceptions.GetTimeoutError("stand-in: no object")
+
+    monkeypatch.setattr(ray, "get", fake_get)
+    keys = [make_key(10 + i) for i in range(5)]
+    entries = [_entry(k, shard="shard-0") for k in keys]
+    for e in entries:
+        e.ref = object()
+    arrays = [None] * 5
+    t0 = clock.now
+    client._map_objects(keys, entries, arrays)
+    assert waits[0] == 1.0 and waits[1:] == [0.0] * 5
+    assert clock.now - t0 == 1.0
+    assert arrays == [None] * 5 and client.counters["shard_errors"] == 5
+    assert all(e.ref is None for e in entries)  # refs are not kept after a failed read
+
+
+def test_the_fetch_timeout_is_the_longer_of_call_and_load_timeouts(client):
+    assert client._fetch_timeout_s() == 2.0
+    client.config = SimpleNamespace(cluster=client.config.cluster, tiers=None)  # no blend section
+    assert client._fetch_timeout_s() == 1.0
