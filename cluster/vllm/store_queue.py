@@ -14,7 +14,11 @@ never in the step that computes the request's own prompt, so it never delays a f
 * the puts, flushes and the ``store`` event of each request go to a one-thread pool
   (``kvblend-store-io``) that never runs the model;
 * :meth:`StoreQueue.finished_sending` reports requests whose segments are all computed and
-  that vLLM has finished, so vLLM can free the blocks ``request_finished`` held.
+  that vLLM has finished, so vLLM can free the blocks ``request_finished`` held; a finished
+  request is reported at the latest :data:`MAX_BLOCK_HOLD_S` after vLLM finished it (issue 20:
+  a long queue never pins KV blocks). Its segments stay queued — a canonical compute needs
+  the token ids, not the blocks — and run in later steps (with no traffic left, vLLM stops
+  stepping and they wait for the next request's steps).
 
 Prefix chunks need no compute (their KV is in the paged cache after the forward): the worker
 gathers them and :meth:`StoreQueue.put_prefix` puts them on the same I/O thread.
@@ -51,6 +55,8 @@ STORE_MAX_DEFER_S = 2.0
 #: chunks whose puts are queued or running on the I/O thread; past it the newest is dropped
 #: (a stuck or slow client then costs no memory beyond the bound and no model time)
 MAX_STORE_IO_ITEMS = 64
+#: seconds after vLLM finished a request that its blocks may stay held for its pending stores
+MAX_BLOCK_HOLD_S = 10.0
 #: bytes of their KV tensors (canonical KV on the CPU, gathered prefix chunks): 16-64 chunks
 #: of 8-32 MiB; one batch larger than this is still queued when nothing else is
 MAX_STORE_IO_BYTES = 512 * 2**20
@@ -108,7 +114,10 @@ class StoreQueue:
         self.store_dropped = 0
         self._queue: OrderedDict[str, _PendingStore] = OrderedDict()  # FIFO by request
         self._done: set[str] = set()          # all segments computed, waiting for vLLM's finish
-        self._finished_ids: set[str] = set()  # finished by vLLM while their store was pending
+        self._finished_at: dict[str, float] = {}  # finished by vLLM while their store was pending
+        self._released: set[str] = set()      # reported after MAX_BLOCK_HOLD_S, still queued
+        #: requests whose blocks were released before their stores were computed
+        self.released_early = 0
 
     def add(self, request_id: str, segments: list[tuple[ChunkKey, tuple[int, ...]]], now: float) -> None:
         """Queue canonical ``segments`` ``(key, token ids)`` of a request (``now``: monotonic s)."""
@@ -136,7 +145,10 @@ class StoreQueue:
                 spent += self._store_segment(pend, key, ids)
             if not pend.segments:
                 del self._queue[pend.request_id]
-                self._done.add(pend.request_id)
+                if pend.request_id in self._released:  # vLLM freed its blocks already
+                    self._released.discard(pend.request_id)
+                else:
+                    self._done.add(pend.request_id)
                 self._io_submit(self._finish_store, pend)
 
     def _drop_present(self, pend: _PendingStore) -> None:
@@ -267,15 +279,28 @@ class StoreQueue:
         self._events.write("store", request_id=request_id, stored=stored, skipped=skipped,
                            tokens=tokens, seconds=seconds, error=error, dropped=dropped)
 
-    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+    def finished_sending(self, finished_req_ids: set[str], now: float | None = None) -> set[str]:
         """Requests finished by vLLM (in this call or an earlier one) whose canonical segments
-        are all computed (their puts may continue on the I/O thread)."""
+        are all computed (their puts may continue on the I/O thread), and those finished
+        :data:`MAX_BLOCK_HOLD_S` or more ago whatever their stores (counted in
+        :attr:`released_early`, warned about once; their segments stay queued). Each request is
+        reported once. ``now``: monotonic seconds (default: the clock)."""
+        now = time.monotonic() if now is None else now
         held = set(self._queue) | self._done
-        self._finished_ids |= set(finished_req_ids) & held
-        done = {r for r in self._finished_ids if r in self._done}
-        self._finished_ids -= done
+        for rid in set(finished_req_ids) & held:
+            self._finished_at.setdefault(rid, now)
+        done = {r for r in self._finished_at if r in self._done}
+        overdue = {r for r, t in self._finished_at.items() if r not in done and now - t >= MAX_BLOCK_HOLD_S}
+        if overdue:
+            self._released |= overdue
+            self.released_early += len(overdue)
+            self._warn("block_hold", "kvblend: %d finished requests held their KV blocks %.0f s "
+                       "(MAX_BLOCK_HOLD_S) waiting for their stores; released, the stores continue "
+                       "in later steps (warned once)", len(overdue), MAX_BLOCK_HOLD_S)
+        for r in done | overdue:
+            del self._finished_at[r]
         self._done -= done
-        return done
+        return done | overdue
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Compute every queued store and wait for the puts; True when all finished within

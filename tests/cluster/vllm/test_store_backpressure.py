@@ -131,3 +131,35 @@ def test_a_batch_over_the_bound_alone_is_still_stored(queue, monkeypatch):
     assert returns_within(q.flush, HANG_S) is True
     assert client.put_keys == [k for k, _ in batch]
     assert q._counters.totals["store_dropped"] == 0
+
+
+def test_a_finished_requests_blocks_are_released_within_the_hold_bound(queue):
+    """vLLM finished ``r1`` while its three segments were still queued: its blocks are held
+    until ``MAX_BLOCK_HOLD_S`` after the finish, then reported once (counted, warned); the
+    segments stay queued and are still computed and put in later steps. Before, the blocks
+    stayed held for as long as the queue took."""
+    q, client, computed, events_path = queue
+    client.release.set()
+    segs = _segments(3, start=300)
+    q.add("r1", segs, now=0.0)
+    assert q.finished_sending({"r1"}, now=0.0) == set()
+    assert q.finished_sending(set(), now=sq.MAX_BLOCK_HOLD_S - 0.1) == set()
+    assert q.finished_sending(set(), now=sq.MAX_BLOCK_HOLD_S) == {"r1"}
+    assert q.released_early == 1
+    returns_within(q.drain, False, None)  # a later step: the stores go on
+    assert returns_within(q.flush, HANG_S) is True
+    assert computed == [ids for _, ids in segs] and client.put_keys == [k for k, _ in segs]
+    assert q.finished_sending(set(), now=100.0) == set()  # reported once
+    assert not q._done and not q._finished_at and not q._released  # nothing left behind
+    stores = [e for e in read_events(events_path) if e["event"] == "store"]
+    assert [(e["request_id"], e["stored"]) for e in stores] == [("r1", 3)]
+
+
+def test_a_request_whose_stores_finish_in_time_is_reported_when_done(queue):
+    q, client, _, _ = queue
+    client.release.set()
+    q.add("r2", _segments(2, start=400), now=0.0)
+    assert q.finished_sending({"r2"}, now=0.0) == set()
+    returns_within(q.drain, False, None)
+    assert q.finished_sending(set(), now=1.0) == {"r2"}
+    assert q.released_early == 0 and not q._done
