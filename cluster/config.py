@@ -48,7 +48,7 @@ class ClusterConfig:
         "blend", "what connectors do by default: 'blend' (CacheBlend on separator prompts) or 'prefix' (prefix reuse only)",
         choices=("blend", "prefix"))
     call_timeout_s: float = _f(
-        2.0, "seconds a client waits for a shard call before counting a miss", (0.01, 3600.0))
+        2.0, "seconds a client waits for a shard call before counting a miss; at most load_timeout_s", (0.01, 3600.0))
     store_kv: bool = _f(True, "store the KV of segments not yet cached after a request")
     ray_client: str = _f(
         "agent", "how a vLLM connector reaches Ray: 'agent' (a child process is the Ray driver: vLLM outlives a lost Ray head) or 'driver' (in vLLM's process: one copy less, but Ray ends the process when the head is gone)",
@@ -284,7 +284,32 @@ def build(values: dict[str, Any], sources: dict[str, str] | None = None) -> KVBl
     srcs = dict(sources or {})
     for name in FIELD_SECTION:
         srcs.setdefault(name, "default")
+    check_deadlines(parts["tiers"], parts["blend"], parts["cluster"], srcs)
     return KVBlendConfig(sources=types.MappingProxyType(srcs), **parts)
+
+
+#: per-call timeout -> the stage deadline it serves (issue 20): a worker's read of a cached layer
+#: calls shards (``call_timeout_s``: ``get_refs``, the objects' ``ray.get``) and, when an owner
+#: is gone, Redis/S3 directly (``io_timeout_s``); the blend waits ``load_timeout_s`` for it.
+STAGE_DEADLINES = {"call_timeout_s": "load_timeout_s", "io_timeout_s": "load_timeout_s"}
+
+
+def check_deadlines(tiers: TiersConfig, blend: BlendConfig, cluster: ClusterConfig,
+                    sources: dict[str, str] | None = None) -> None:
+    """Every per-call timeout is at most the deadline of the stage it serves
+    (:data:`STAGE_DEADLINES`): a longer one would keep a read going after the request gave
+    up on it, holding one of the client's threads.
+
+    Raises:
+        ValueError: naming both settings, their values and where each came from.
+    """
+    values = {**vars(tiers), **vars(blend), **vars(cluster)}
+    for call, stage in STAGE_DEADLINES.items():
+        if values[call] > values[stage]:
+            where = {n: (sources or {}).get(n, "default") for n in (call, stage)}
+            raise ValueError(
+                f"{call}={values[call]:g} (from {where[call]}) is longer than {stage}={values[stage]:g} "
+                f"(from {where[stage]}), the deadline of the stage it serves: lower {call} or raise {stage}")
 
 
 def _read_yaml(path: str, lmcache_fields: set[str] | None = None) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class TiersConfig:
     eviction_policy: str = _f(
         "lru", "eviction order of the host, disk and gpu tiers", choices=("lru", "lfu"))
     io_timeout_s: float = _f(
-        5.0, "seconds before a tier read or write counts as failed (a miss)", (0.01, 3600.0))
+        2.0, "seconds before one tier read or write call counts as failed (a miss); at most load_timeout_s", (0.01, 3600.0))
     lookup_timeout_s: float = _f(
         0.25, "seconds a shard lookup waits for the tiers below host memory (late keys are misses; clients wait this plus a margin)",
         (0.01, 3600.0))

@@ -159,7 +159,7 @@ def _measure(bench: _Run, num_shards: int, chunk_bytes: int) -> dict:
     cfg = load_config(environ={}, overrides={
         "ray_address": bench.address, "ray_namespace": f"kvblend-bench-{uuid.uuid4().hex[:6]}",
         "cache_dir": bench.root, "host_size_gib": bench.store_gib * 0.6, "disk_size_gib": 0.0,
-        "call_timeout_s": 30.0, "metrics": False})
+        "call_timeout_s": 30.0, "load_timeout_s": 30.0, "metrics": False})
     names = start_shards(cfg)
     client = CacheClient(cfg, NAMESPACE)
     infos = {n: ray.get(ray.get_actor(n, namespace=cfg.cluster.ray_namespace).ready.remote())

@@ -55,7 +55,7 @@ def kvconfig(ray_cluster, tmp_path_factory):
     return load_config(environ={}, overrides={
         "ray_address": cluster.address, "ray_namespace": f"kvblend-test-{uuid.uuid4().hex[:6]}",
         "cache_dir": str(root), "disk_path": str(root / "disk"), "host_size_gib": 0.004,
-        "disk_size_gib": 0.2, "call_timeout_s": 10.0, "compression": "lz4"})
+        "disk_size_gib": 0.2, "call_timeout_s": 10.0, "load_timeout_s": 10.0, "compression": "lz4"})
 
 
 @pytest.fixture(scope="session")

@@ -138,3 +138,22 @@ def test_lmcache_blend_settings_keep_cacheblend_selection(tmp_path):
     assert named.blend.selection == "query_attention"
     with pytest.raises(ValueError, match="selection"):
         load_config(environ={"KVBLEND_SELECTION": "random"})
+
+
+@pytest.mark.parametrize("call", ["call_timeout_s", "io_timeout_s"])
+def test_a_per_call_timeout_longer_than_its_stage_deadline_stops_startup(call):
+    """Issue 20: ``call_timeout_s`` and ``io_timeout_s`` serve a worker's read of cached
+    layers, which the blend waits for ``load_timeout_s``; longer ones are refused, naming both
+    settings, their values and where they came from."""
+    env = {f"KVBLEND_{call.upper()}": "5"}
+    with pytest.raises(ValueError) as err:
+        load_config(environ=env, overrides={"load_timeout_s": 3.0})
+    msg = str(err.value)
+    assert f"{call}=5 (from env KVBLEND_{call.upper()})" in msg and "load_timeout_s=3 (from cli)" in msg
+    assert load_config(environ=env, overrides={"load_timeout_s": 5.0}).get(call) == 5.0  # equal: fine
+
+
+def test_default_timeouts_fit_their_stage_deadlines():
+    cfg = load_config(environ={})
+    assert cfg.get("io_timeout_s") <= cfg.get("load_timeout_s")
+    assert cfg.get("call_timeout_s") <= cfg.get("load_timeout_s")

@@ -20,7 +20,7 @@ def main() -> int:
     from tests.factories import NAMESPACE, make_key, shard_kv
 
     cfg = load_config(environ={}, overrides={"ray_address": address, "ray_namespace": ray_ns,
-                                             "call_timeout_s": 10.0})
+                                             "call_timeout_s": 10.0, "load_timeout_s": 10.0})
     client = CacheClient(cfg, NAMESPACE)
     keys = [make_key(i) for i in range(first, first + count)]
     if mode == "put":

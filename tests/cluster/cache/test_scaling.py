@@ -26,7 +26,7 @@ def test_new_shards_move_keys_which_become_counted_misses(ray_cluster, tmp_path_
     cfg = load_config(environ={}, overrides={
         "ray_address": cluster.address, "ray_namespace": f"kvblend-scale-{uuid.uuid4().hex[:6]}",
         "cache_dir": str(tmp_path_factory.mktemp("scale")), "host_size_gib": 0.004,
-        "disk_size_gib": 0.0, "call_timeout_s": 10.0, "metrics": False})
+        "disk_size_gib": 0.0, "call_timeout_s": 10.0, "load_timeout_s": 10.0, "metrics": False})
     ns = cfg.cluster.ray_namespace
     try:
         first = start_shards(cfg)

@@ -99,7 +99,7 @@ def test_restarted_node_finds_its_chunks_under_a_new_node_id(tmp_path):
     cfg = load_config(environ={}, overrides={
         "ray_address": cluster.address, "ray_namespace": f"kvblend-identity-{uuid.uuid4().hex[:6]}",
         "cache_dir": str(tmp_path), "disk_path": str(tmp_path / "disk"), "host_size_gib": 0.004,
-        "disk_size_gib": 0.05, "call_timeout_s": 10.0, "metrics": False, "compression": "none",
+        "disk_size_gib": 0.05, "call_timeout_s": 10.0, "load_timeout_s": 10.0, "metrics": False, "compression": "none",
         "shards_per_node": 2})
     ns = cfg.cluster.ray_namespace
     try:

@@ -26,7 +26,7 @@ def redis_setup(ray_cluster, tmp_path_factory):
         cfg = load_config(environ={}, overrides={
             "ray_address": cluster.address, "ray_namespace": f"kvblend-redis-{uuid.uuid4().hex[:6]}",
             "cache_dir": str(root), "host_size_gib": 0.004, "disk_size_gib": 0.0,
-            "redis_url": redis.url, "io_timeout_s": 0.5, "call_timeout_s": 10.0})
+            "redis_url": redis.url, "io_timeout_s": 0.5, "call_timeout_s": 10.0, "load_timeout_s": 10.0})
         names = start_shards(cfg)
         assert len(names) == 2
         yield cfg, names, redis
@@ -143,7 +143,7 @@ def s3_setup(ray_cluster, tmp_path_factory):
         "ray_address": cluster.address, "ray_namespace": f"kvblend-s3-{uuid.uuid4().hex[:6]}",
         "cache_dir": str(tmp_path_factory.mktemp("s3-shards")), "host_size_gib": 0.004,
         "disk_size_gib": 0.0, "s3_url": f"s3://{bucket}/kv", "s3_endpoint_url": endpoint,
-        "io_timeout_s": 0.5, "call_timeout_s": 10.0, "metrics": False})
+        "io_timeout_s": 0.5, "call_timeout_s": 10.0, "load_timeout_s": 10.0, "metrics": False})
     try:
         names = start_shards(cfg, env_vars=creds)
         assert len(names) == 2

@@ -97,7 +97,7 @@ def one_node_ray_cache(root, **overrides):
         "include_dashboard": False})
     config = {"ray_address": cluster.address, "ray_namespace": f"kvblend-vllm-{uuid.uuid4().hex[:6]}",
               "cache_dir": str(root), "disk_path": str(root / "disk"), "host_size_gib": 0.1,
-              "disk_size_gib": 0.5, "call_timeout_s": 10.0, **overrides}
+              "disk_size_gib": 0.5, "call_timeout_s": 10.0, "load_timeout_s": 10.0, **overrides}
     ray.init(address=cluster.address, namespace="kvblend-vllm-test", log_to_driver=False)
     try:
         yield config, start_shards(load_config(environ={}, overrides=config))
