@@ -36,16 +36,14 @@ one numpy ``uint8`` array ``ray.put`` by the shard (so the shard owns it and our
 not the caller, decides its lifetime); ``get_refs`` returns its ``ObjectRef`` wrapped in a
 list (Ray then passes the ref, not the value) and the client ``ray.get``\\ s it: zero-copy
 from the node's shared-memory object store on the same node, one transfer per chunk
-otherwise. Why (measured on the 2-core dev box, 2026-11-29): returning 32 MiB from an actor
-method took 18 ms (1.9 GB/s, copied through the call) while ``ray.get`` of an object-store
-ref to it took 0.1 ms. With this design ``kvblend bench cluster`` (8 MiB chunks of 32 layers,
+otherwise. Why (2-core dev box, 2026-11-29): returning 32 MiB from a method took 18 ms, a
+``ray.get`` of its ref 0.1 ms. With this design ``kvblend bench cluster`` (8 MiB chunks of 32 layers,
 16 chunks read layer by layer) measured client vs a direct in-process host-tier read of the
 same objects, over three runs: 0.74-0.98 of the direct GB/s (3-5 GB/s) same-node and
 0.80-0.97 cross-node once a process has mapped the chunks (``client_warm_ratio``); 0.6-0.77
 when each pass first fetches the 16 refs (``client_ratio``; each ``ObjectRef`` returned by a
 call costs Ray ~0.3 ms of borrower bookkeeping, which is also why ``lookup`` returns no
-refs), lower with 2 MiB chunks (``--quick``: 0.35-0.87). The machine was shared (load
-average 7-12 on 2 cores), so these ratios are noisy; rerun to compare.
+refs), lower with 2 MiB chunks (``--quick``: 0.35-0.87), on a shared machine (load 7-12).
 
 Memory budget: the object store must hold ``host_size_gib`` plus in-flight puts (each put
 passes its object through the store once). ``kvblend server`` starts Ray with
@@ -321,13 +319,19 @@ class CacheShard:
     def get_refs(self, keys: Sequence[str], timeout_s: float = 5.0) -> list[list | None]:
         """Object refs of the whole chunk objects, promoting from lower tiers as needed.
 
+        One deadline, ``timeout_s`` from the call (issue 20): promotions run on the shard's
+        pool and are waited for in parallel, so a stuck tier costs the call ``timeout_s``, not
+        that per key; a key not promoted by then is a miss (its promotion goes on).
+
         Returns:
             Per key ``[ObjectRef]`` (a numpy ``uint8`` array of the encoded object) or None.
         """
         t0 = time.perf_counter()
-        out: list[list | None] = []
-        for text in keys:
-            key = ChunkKey.parse(text)
+        deadline = time.monotonic() + timeout_s
+        parsed = [ChunkKey.parse(text) for text in keys]
+        out: list[list | None] = [None] * len(parsed)
+        waiting: dict[int, tuple[Future, bool]] = {}  # index -> (promotion, already under way)
+        for i, key in enumerate(parsed):
             entry = self._host_entry(key)
             if entry is not None:
                 with self._lock:
@@ -336,25 +340,23 @@ class CacheShard:
                 if was_prefetched:
                     self._count("prefetch_hits")
                     self.metrics.inc("kvblend_prefetch_hits")
-                out.append([entry[0]])
+                out[i] = [entry[0]]
                 # the client maps the object from the store: count it as read out of host
                 self.metrics.inc("kvblend_bytes_out", entry[2], "host")
                 continue
             fut = self._promoting.get(key)
-            ref = None
-            if fut is not None:
-                try:
-                    ref = fut.result(timeout=timeout_s)
-                except Exception:  # noqa: BLE001 - timeout or tier failure: a miss
-                    ref = None
-                if ref is not None:  # the prefetch was already under way: it saved time
-                    with self._lock:
-                        self._prefetched.pop(key, None)
-                    self._count("prefetch_hits")
-                    self.metrics.inc("kvblend_prefetch_hits")
-            if ref is None:
-                ref = self._promote(key, False)
-            out.append([ref] if ref is not None else None)
+            waiting[i] = (fut, True) if fut is not None else (self._pool.submit(self._promote, key, False), False)
+        for i, (fut, prefetched) in waiting.items():
+            try:
+                ref = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - past the deadline or a tier failure: a miss
+                ref = None
+            if ref is not None and prefetched:  # the prefetch was already under way: it saved time
+                with self._lock:
+                    self._prefetched.pop(parsed[i], None)
+                self._count("prefetch_hits")
+                self.metrics.inc("kvblend_prefetch_hits")
+            out[i] = [ref] if ref is not None else None
         self.metrics.observe("kvblend_get_latency_ms", (time.perf_counter() - t0) * 1e3)
         return out
 

@@ -55,3 +55,43 @@ def test_a_served_prefetch_is_counted_once_and_a_plain_promotion_never(shard, mo
     shard.get_refs([str(a), str(b), str(a)])
     assert shard.counters["prefetch_hits"] == 1
     assert len(shard._prefetched) == 0
+
+
+class _StuckLower:
+    """A lower stack whose reads block until released (a black-holed Redis/S3)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+
+    def find(self, key):
+        self.release.wait(BLOCK_S)
+        return "redis", OBJECT, SimpleNamespace(header_end=4)
+
+
+BLOCK_S = 120.0
+
+
+def test_get_refs_has_one_deadline_over_all_its_promotions(shard):
+    """Issue 20: four chunks below host memory in a tier that hangs: ``get_refs`` with
+    ``timeout_s`` 0.5 returns misses for all four within the hang guard (before, each key's
+    promotion ran in turn on the actor's thread: 4 x 120 s); once the tier answers, the
+    promotions that went on land in host memory and the next call serves them."""
+    from tests.factories import returns_within
+
+    stuck = _StuckLower()
+    shard.lower_stack = stuck
+    keys = [str(make_key(i)) for i in range(4)]
+    try:
+        assert returns_within(shard.get_refs, keys, 0.5, hang_s=30.0) == [None] * 4
+    finally:
+        stuck.release.set()
+    import time
+
+    want = [[f"ref:{k}"] for k in keys]
+    deadline = time.monotonic() + 30.0  # a hang guard: the promotions finish once released
+    while returns_within(shard.get_refs, keys, 0.5, hang_s=30.0) != want:
+        assert time.monotonic() < deadline, "the released promotions never reached host memory"
+        time.sleep(0.1)
+    assert shard.counters["promotions"] >= 4
