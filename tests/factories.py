@@ -302,10 +302,12 @@ def ray_free_shard(monkeypatch, tmp_path, cfg):
 
 def stop_shard(s) -> None:
     """Shut down the pools of a :func:`ray_free_shard` and release its disk lock."""
-    for name in ("_pool", "_write_pool", "_lookup_pool"):
+    for name in ("_pool", "_write_pool"):
         pool = getattr(s, name, None)
         if pool is not None:
             pool.shutdown(wait=True)
+    if getattr(s, "_lower_lookup", None) is not None:  # the lookups' header-read pool
+        s._lower_lookup.close()
     if getattr(s, "_disk_lock", None) is not None:  # its disk directory's flock
         os.close(s._disk_lock)
         s._disk_lock = None
