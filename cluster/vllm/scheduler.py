@@ -249,7 +249,13 @@ class KVBlendScheduler:
             spans = first_segment_as_chunk(spans, token_ids, specials)
         if store and standalone:
             self._store_standalone(state, standalone, tenant)
-        if blendable and any(kind == CHUNK for kind, _, _ in spans):
+        if not load and not store:
+            # nothing to read or write: no lookup, which would also start the shards'
+            # promotions of these chunks into host memory (evicting others) for nothing
+            self._events.write("lookup", request_id=rid, path="none", num_tokens=len(token_ids),
+                               num_segments=0, num_hit_segments=0,
+                               full_prefill_reason="kvblend_load and kvblend_store are off")
+        elif blendable and any(kind == CHUNK for kind, _, _ in spans):
             self._plan_blend(rid, state, spans, blend_cfg, tenant, load=load, store=store)
         else:
             self._plan_prefix(rid, state, tenant, load=load, store=store)

@@ -186,6 +186,21 @@ def test_request_params_turn_loading_off(make_scheduler, client, tokenizer, prom
     assert lookup["path"] == "none" and lookup["full_prefill_reason"] == reason
 
 
+def test_a_request_that_neither_loads_nor_stores_looks_nothing_up(make_scheduler, client, tokenizer, prompt,
+                                                                   events_path):
+    """A lookup starts the shards' promotions into host memory: a request that will neither
+    read nor write the cache (``kvblend_load`` and ``kvblend_store`` off, e.g. a full-prefill
+    reference) must not make one; it is still logged, and claims nothing."""
+    store_passages(client, tokenizer)
+    ids, _ = prompt
+    lookups = client.counters["lookups"]
+    params = {"kvblend_load": False, "kvblend_store": False}
+    assert make_scheduler().get_num_new_matched_tokens(FakeRequest("r", ids, params), 0) == (0, False)
+    assert client.counters["lookups"] == lookups
+    (lookup,) = [e for e in read_events(events_path) if e["event"] == "lookup"]
+    assert (lookup["path"], lookup["num_segments"], lookup["request_id"]) == ("none", 0, "r")
+
+
 def test_recompute_ratio_and_sync_load_per_request(make_scheduler, client, tokenizer, prompt):
     store_passages(client, tokenizer)
     ids, spans = prompt
