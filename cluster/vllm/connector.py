@@ -223,7 +223,8 @@ class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
             self.connector_scheduler = KVBlendScheduler(
                 self.config, self.client, namespace_digest=self.namespace_digest,
                 block_size=vllm_config.cache_config.block_size, load_tokenizer=self._load_tokenizer,
-                tp_size=self.tp_size, load_async=options.load_async, events=events,
+                tp_size=self.tp_size, load_async=options.load_async,
+                allow_request_overrides=options.allow_request_overrides, events=events,
                 counters=self._counters, warn=warn)
         else:
             self.connector_worker = KVBlendWorker(

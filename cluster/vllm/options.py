@@ -10,11 +10,16 @@ reads them) plus the connector-only keys of :data:`CONNECTOR_ONLY_KEYS`, which
   canonical-KV compute per engine step (bounds the stall of a decode step);
 * ``load_async`` (bool, default True) — blends take vLLM's async-load path;
 * ``load_step_s`` (float seconds > 0, default :data:`LOAD_STEP_S`) — async blend work per
-  engine step that also runs other requests.
+  engine step that also runs other requests;
+* ``allow_request_overrides`` (bool, default True) — whether requests may set the keys of
+  :data:`RESTRICTED_PARAMS` (issue 19: an API user turning storing, loading or recompute off
+  changes the cache and the quality for everyone; the Helm chart's
+  ``vllm.allowRequestOverrides`` is off by default).
 
-Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` with the keys of
-:data:`REQUEST_PARAMS` (:func:`request_params` reads them; unknown ``kvblend*`` keys are
-ignored, the first one with a warning).
+Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` (the OpenAI API's
+``kv_transfer_params``) with the keys of :data:`REQUEST_PARAMS` (:func:`request_params` reads
+them; unknown ``kvblend*`` keys are ignored, the first one with a warning; restricted keys
+while overrides are off are ignored, counted ``ignored_overrides``, warned about once).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 #: kv_connector_extra_config keys that are not config fields.
-CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step", "load_async", "load_step_s")
+CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step", "load_async", "load_step_s",
+                       "allow_request_overrides")
 #: per-request kv_transfer_params understood by the connector.
 REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store",
                   "kvblend_load_async", "kvblend_selection")
+#: request keys honoured only with ``allow_request_overrides`` (the others always are).
+RESTRICTED_PARAMS = ("kvblend_recompute_ratio", "kvblend_store", "kvblend_load", "kvblend_blend")
 #: default tokens of canonical-KV compute per engine step (bounds the stall of a decode step).
 STORE_TOKENS_PER_STEP = 512
 #: default seconds of async blend work per engine step that also runs other requests.
@@ -42,6 +50,7 @@ class ConnectorOptions:
     store_tokens_per_step: int = STORE_TOKENS_PER_STEP
     load_async: bool = True
     load_step_s: float = LOAD_STEP_S
+    allow_request_overrides: bool = True
 
     @classmethod
     def pop_from(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -61,18 +70,29 @@ class ConnectorOptions:
         load_step_s = float(extra.pop("load_step_s", LOAD_STEP_S))
         if not load_step_s > 0:
             raise ValueError(f"kv_connector_extra_config load_step_s={load_step_s}: must be > 0 seconds")
-        return cls(stats_path, store_tokens_per_step, load_async, load_step_s)
+        allow = extra.pop("allow_request_overrides", True)
+        if not isinstance(allow, bool):
+            raise ValueError(f"kv_connector_extra_config allow_request_overrides={allow!r}: must be true or false")
+        return cls(stats_path, store_tokens_per_step, load_async, load_step_s, allow)
 
 
-def request_params(request, warn: Callable[..., None]) -> dict[str, Any]:
+def request_params(request, warn: Callable[..., None], allow_overrides: bool = True,
+                   ignored: list[str] | None = None) -> dict[str, Any]:
     """The :data:`REQUEST_PARAMS` of ``request.kv_transfer_params`` (vLLM copies them from
     ``SamplingParams.extra_args["kv_transfer_params"]``); other ``kvblend*`` keys are
     ignored, the first one reported through ``warn(what, msg, *args)``; other keys are
-    ignored silently (they may be another connector's)."""
+    ignored silently (they may be another connector's). Without ``allow_overrides`` the
+    :data:`RESTRICTED_PARAMS` are left out too, appended to ``ignored`` (when given)."""
     params = dict(getattr(request, "kv_transfer_params", None) or {})
     out = {}
     for k, v in params.items():
-        if k in REQUEST_PARAMS:
+        if k in RESTRICTED_PARAMS and not allow_overrides:
+            if ignored is not None:
+                ignored.append(k)
+            warn("param:restricted", "kvblend: kv_transfer_params key %r ignored: request overrides of %s are "
+                 "off (allow_request_overrides; counted ignored_overrides, warned once)", k,
+                 ", ".join(RESTRICTED_PARAMS))
+        elif k in REQUEST_PARAMS:
             out[k] = v
         elif k.startswith("kvblend"):
             # one kind for every unknown key: request keys are user input, and a kind per key

@@ -161,13 +161,15 @@ class KVBlendScheduler:
         load_tokenizer: returns the model's HF tokenizer; called on the first lookup.
         tp_size: tensor-parallel size (> 1: prefix path only).
         load_async: default of ``kvblend_load_async`` (blends on vLLM's async-load path).
+        allow_request_overrides: honour the restricted request keys
+            (:data:`cluster.vllm.options.RESTRICTED_PARAMS`).
         events, counters, warn: where decisions are reported (see :mod:`cluster.vllm.events`,
             :mod:`cluster.vllm.metrics`).
     """
 
     def __init__(self, config, client, *, namespace_digest: str, block_size: int,
                  load_tokenizer: Callable[[], Any], tp_size: int = 1, load_async: bool = True,
-                 events: EventLog | None = None, counters: Counters | None = None,
+                 allow_request_overrides: bool = True, events: EventLog | None = None, counters: Counters | None = None,
                  warn: WarnOnce | None = None) -> None:
         self.config = config
         self.client = client
@@ -175,6 +177,7 @@ class KVBlendScheduler:
         self.block_size = block_size
         self.tp_size = tp_size
         self.load_async = load_async
+        self.allow_request_overrides = allow_request_overrides
         self._load_tokenizer = load_tokenizer
         self._tokenizer = None
         self._events = events if events is not None else EventLog(None)
@@ -236,7 +239,10 @@ class KVBlendScheduler:
                                uncacheable=uncacheable)
             self._requests[rid] = state
             return state
-        params = request_params(request, self._warn)
+        ignored: list[str] = []
+        params = request_params(request, self._warn, self.allow_request_overrides, ignored)
+        if ignored:
+            self._counters.bump(ignored_overrides=1)
         store = bool(params.get("kvblend_store", True)) and self.config.cluster.store_kv
         load = bool(params.get("kvblend_load", True))
         blend_cfg = self._blend_config(params)

@@ -165,7 +165,9 @@ def test_vllm_replicas(rendered):
     assert kv["kv_connector"] == "KVBlendConnector"
     assert kv["kv_connector_module_path"] == "cluster.connector"
     assert kv["kv_role"] == "kv_both"
-    assert kv.get("kv_connector_extra_config", {}) == v["connectorExtraConfig"]
+    # the chart's overrides plus allow_request_overrides (vllm.allowRequestOverrides, issue 19)
+    assert kv["kv_connector_extra_config"] == {**v["connectorExtraConfig"],
+                                               "allow_request_overrides": v["allowRequestOverrides"]}
     for arg in v["extraArgs"]:
         assert arg in args
     limits = container["resources"]["limits"]

@@ -138,4 +138,18 @@ def test_connector_extra_config_takes_only_config_fields(helm):
     rendered = helm.render(None, "vllm.connectorExtraConfig.store_kv=false")
     args = rendered.one("Deployment", "vllm")["spec"]["template"]["spec"]["containers"][0]["args"]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector_extra_config"] == {"store_kv": False}
+    assert kv["kv_connector_extra_config"] == {"store_kv": False, "allow_request_overrides": False}
+
+
+def test_request_overrides_are_off_unless_the_operator_allows_them(helm):
+    """Issue 19: API users cannot turn storing, loading or recompute off for everyone by
+    default; ``vllm.allowRequestOverrides=true`` lets them (the connector option it sets is
+    checked by the connector's own tests)."""
+    from cluster.vllm.options import ConnectorOptions
+
+    for value, want in ((None, False), ("true", True)):
+        rendered = helm.render(None, *([f"vllm.allowRequestOverrides={value}"] if value else []))
+        args = rendered.one("Deployment", "vllm")["spec"]["template"]["spec"]["containers"][0]["args"]
+        extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert ConnectorOptions.pop_from(dict(extra)).allow_request_overrides is want
+    assert helm.template(None, "vllm.allowRequestOverrides=maybe", check=False).returncode != 0

@@ -87,11 +87,13 @@ def make_scheduler(tokenizer, client, events_path):
     """``make_scheduler(**overrides)``: a scheduler half over ``client`` (config overrides
     as in ``kv_connector_extra_config``; ``tp_size``/``load_async``/``client`` as keywords)."""
 
-    def make(tp_size: int = 1, load_async: bool = True, client=client, **overrides) -> KVBlendScheduler:
+    def make(tp_size: int = 1, load_async: bool = True, client=client, allow_request_overrides: bool = True,
+             **overrides) -> KVBlendScheduler:
         config = load_config(environ={}, overrides={"min_tokens": 16, "chunk_size": CHUNK_SIZE,
                                                     **overrides})
         return KVBlendScheduler(config, client, namespace_digest=NAMESPACE, block_size=BLOCK_SIZE,
                                 load_tokenizer=lambda: tokenizer, tp_size=tp_size, load_async=load_async,
+                                allow_request_overrides=allow_request_overrides,
                                 events=EventLog(events_path), counters=Counters())
 
     return make
@@ -199,6 +201,22 @@ def test_a_request_that_neither_loads_nor_stores_looks_nothing_up(make_scheduler
     assert client.counters["lookups"] == lookups
     (lookup,) = [e for e in read_events(events_path) if e["event"] == "lookup"]
     assert (lookup["path"], lookup["num_segments"], lookup["request_id"]) == ("none", 0, "r")
+
+
+def test_restricted_request_overrides_are_ignored_and_counted_when_not_allowed(make_scheduler, client, tokenizer,
+                                                                                prompt, events_path):
+    """Issue 19: with ``allow_request_overrides`` off, a request's ``kvblend_load: false`` does
+    not stop the blend (it claims as a plain request does) and is counted once."""
+    store_passages(client, tokenizer)
+    ids, _ = prompt
+    sched = make_scheduler(allow_request_overrides=False)
+    plain, _ = sched.get_num_new_matched_tokens(FakeRequest("plain", ids), 0)
+    assert plain > 0
+    claim, _ = sched.get_num_new_matched_tokens(FakeRequest("r", ids, {"kvblend_load": False}), 0)
+    assert claim == plain
+    assert sched._counters.totals["ignored_overrides"] == 1
+    allowed = make_scheduler()  # the default honours it
+    assert allowed.get_num_new_matched_tokens(FakeRequest("r2", ids, {"kvblend_load": False}), 0) == (0, False)
 
 
 def test_recompute_ratio_and_sync_load_per_request(make_scheduler, client, tokenizer, prompt):
