@@ -21,15 +21,13 @@ relative; we allow ``rtol=1e-4, atol=1e-4`` for KV and logits of tiny models (va
 from __future__ import annotations
 
 import functools
-import json
 import os
 from typing import TYPE_CHECKING
 
 import torch
-import xxhash
 
 from tiers.codec import encode_kv
-from tiers.format import _PREFIX, PREFIX_BYTES
+from tiers.format import rewrite_header
 from tiers.keys import ChunkKey, Namespace, segment_key
 
 if TYPE_CHECKING:
@@ -223,22 +221,8 @@ def fill_tiers(engine, chunks, tiers_with_objects=(), gpu_tiers=()) -> dict[Chun
     return out
 
 
-def forge_header(obj: bytes, **changes) -> bytes:
-    """``obj`` (a chunk object) with header fields replaced and the rest kept consistent: the
-    prefix's length and checksum recomputed, layer offsets (the given ``layers`` or the
-    object's) shifted by the header's change in length. For tests of forged headers."""
-    magic, version, flags, header_len, _ = _PREFIX.unpack_from(obj, 0)
-    end = PREFIX_BYTES + header_len
-    header = {**json.loads(obj[PREFIX_BYTES:end]), **changes}
-    layers, delta = header["layers"], 0
-    while True:  # offsets move with the header's length, and their digits may change it again
-        header["layers"] = [[e[0] + delta, *e[1:]] for e in layers]
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        if len(blob) - header_len == delta:
-            break
-        delta = len(blob) - header_len
-    prefix = _PREFIX.pack(magic, version, flags, len(blob), xxhash.xxh32_intdigest(blob))
-    return prefix + blob + obj[end:]
+#: a chunk object with header fields replaced, all else consistent (tests of forged headers)
+forge_header = rewrite_header
 
 
 #: seconds a call under test may take before it counts as a hang (a guard, not a timing assert)
@@ -298,6 +282,25 @@ def ray_free_shard(monkeypatch, tmp_path, cfg):
 
     s._store_host = store_host
     return s
+
+
+def ray_free_client(monkeypatch, cfg):
+    """A real :class:`cluster.cache.client.CacheClient` without Ray: its connection, shard
+    router (no shards) and writer are stand-ins; headers, mapping and reads are the real
+    ones. The caller closes it."""
+    from cluster.cache import client as client_mod
+
+    class NoShards:
+        def __init__(self, *args) -> None:
+            pass
+
+        def refresh(self, force: bool = False) -> None:
+            pass
+
+    monkeypatch.setattr(client_mod, "connect", lambda cluster: object())
+    monkeypatch.setattr(client_mod, "ShardRouter", NoShards)
+    monkeypatch.setattr(client_mod, "ShardWriter", lambda router, count: None)
+    return client_mod.CacheClient(cfg)
 
 
 def stop_shard(s) -> None:

@@ -309,3 +309,24 @@ def decode_layer(header: ChunkHeader, layer_idx: int, payload: bytes | memoryvie
         raise ValueError(f"out has {out.nbytes} bytes, expected {e.raw_len}")
     np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
     return out
+
+
+def rewrite_header(obj: bytes | memoryview, **changes) -> bytes:
+    """``obj`` (a chunk object) with header fields replaced and the rest kept consistent: the
+    prefix's length and checksum recomputed, layer offsets (the given ``layers`` or the
+    object's) shifted by the header's change in length, payloads unchanged. Nothing is
+    validated: this forges objects for fault injection (:mod:`cluster.workloads.faults`) and
+    tests, never on the serving path."""
+    obj = bytes(obj)
+    magic, version, flags, header_len, _ = _PREFIX.unpack_from(obj, 0)
+    end = PREFIX_BYTES + header_len
+    header = {**json.loads(obj[PREFIX_BYTES:end]), **changes}
+    layers, delta = header["layers"], 0
+    while True:  # offsets move with the header's length, whose digits they change in turn
+        header["layers"] = [[e[0] + delta, *e[1:]] for e in layers]
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        if len(blob) - header_len == delta:
+            break
+        delta = len(blob) - header_len
+    prefix = _PREFIX.pack(magic, version, flags, len(blob), xxhash.xxh32_intdigest(blob))
+    return prefix + blob + obj[end:]

@@ -9,7 +9,6 @@ on exit, also on an exception, and stops the threads it started.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -22,9 +21,7 @@ from collections import deque
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
-import xxhash
-
-from tiers.format import _PREFIX, PREFIX_BYTES, parse_header
+from tiers.format import PREFIX_BYTES, parse_header, rewrite_header
 from tiers.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -297,7 +294,7 @@ def corrupted(obj: bytes, how: str) -> bytes:
     ``layer`` flips a byte of the last layer (the header parses, the layer's checksum fails),
     ``header`` a byte of the header's JSON (its checksum fails), ``truncate`` cuts the object
     in its payloads (the header parses), ``oversized`` forges a header claiming
-    :data:`OVERSIZED_KV_HEADS` KV heads (:func:`forge_header`). Raises ``ValueError`` for
+    :data:`OVERSIZED_KV_HEADS` KV heads (:func:`tiers.format.rewrite_header`). Raises ``ValueError`` for
     another ``how``, :class:`tiers.format.FormatError` when ``obj`` is invalid."""
     header = parse_header(obj)
     data = bytearray(obj)
@@ -309,28 +306,10 @@ def corrupted(obj: bytes, how: str) -> bytes:
     elif how == "truncate":
         del data[header.header_end + (len(data) - header.header_end) // 2:]
     elif how == "oversized":
-        return forge_header(obj, num_kv_heads=OVERSIZED_KV_HEADS)
+        return rewrite_header(obj, num_kv_heads=OVERSIZED_KV_HEADS)
     else:
         raise ValueError(f"how={how!r}: choose one of {', '.join(CORRUPTIONS)}")
     return bytes(data)
-
-
-def forge_header(obj: bytes, **changes) -> bytes:
-    """``obj`` with header fields replaced and all else consistent (prefix length and checksum
-    recomputed, layer offsets shifted by the header's change in length), as
-    ``tests/factories.py::forge_header`` (the tests' factories import no ``cluster``)."""
-    magic, version, flags, header_len, _ = _PREFIX.unpack_from(obj, 0)
-    end = PREFIX_BYTES + header_len
-    header = {**json.loads(obj[PREFIX_BYTES:end]), **changes}
-    layers, delta = header["layers"], 0
-    while True:  # offsets move with the header's length, whose digits they change in turn
-        header["layers"] = [[e[0] + delta, *e[1:]] for e in layers]
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        if len(blob) - header_len == delta:
-            break
-        delta = len(blob) - header_len
-    prefix = _PREFIX.pack(magic, version, flags, len(blob), xxhash.xxh32_intdigest(blob))
-    return prefix + blob + obj[end:]
 
 
 def corrupt_object(tier, key: ChunkKey, how: str) -> bytes:

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.cache import client as client_mod
 from cluster.cache.headers import HeaderEntry
-from tests.factories import make_key
+from tests.factories import make_key, ray_free_client
 from tiers.format import ChunkHeader, LayerEntry
 
 
@@ -26,14 +26,6 @@ class _Clock:
         return self.now
 
 
-class _NoShards:
-    def __init__(self, *args) -> None:
-        pass
-
-    def refresh(self, force: bool = False) -> None:
-        pass
-
-
 @pytest.fixture
 def clock(monkeypatch) -> _Clock:
     c = _Clock()
@@ -43,12 +35,9 @@ def clock(monkeypatch) -> _Clock:
 
 @pytest.fixture
 def client(monkeypatch, clock):
-    monkeypatch.setattr(client_mod, "connect", lambda cluster: object())
-    monkeypatch.setattr(client_mod, "ShardRouter", _NoShards)
-    monkeypatch.setattr(client_mod, "ShardWriter", lambda router, count: None)
     cfg = SimpleNamespace(cluster=SimpleNamespace(call_timeout_s=1.0, ray_address="", ray_namespace="test"),
                           blend=SimpleNamespace(load_timeout_s=2.0), tiers=None)
-    c = client_mod.CacheClient(cfg)
+    c = ray_free_client(monkeypatch, cfg)
     yield c
     c.close()
 
