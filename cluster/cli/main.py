@@ -27,6 +27,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "cluster"), "cluster.bench.cluster", "shard lookup latency and client read throughput"),
     (("bench", "vllm"), "cluster.bench.vllm", "TTFT through vLLM: full, prefix caching, kvblend"),
     (("bench", "gpu"), "cluster.bench.gpu", "GPU blend TTFT and host-to-GPU overlap"),
+    (("bench", "faults"), "cluster.bench.faults", "requests through vLLM while Redis, S3, a shard or objects fail"),
 ]
 
 

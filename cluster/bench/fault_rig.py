@@ -1,0 +1,208 @@
+"""The rig of ``kvblend bench faults``: the product's services, started as an operator would,
+with a fault injector (:mod:`cluster.workloads.faults`) in front of each.
+
+* ``redis-server`` and an S3 server (moto), each behind a :class:`~cluster.workloads.faults.TcpProxy`
+  (``pass`` until a fault switches it);
+* a local Ray cluster with one shard by ``kvblend server`` (host memory, a disk tier, then
+  Redis and S3 through the proxies), configured through ``KVBLEND_*`` variables;
+* the passages' canonical KV stored by :func:`cluster.workloads.ingest.ingest_passages`
+  through :func:`cluster.cache.factory.make_client` (``kvblend ingest``'s path), then the
+  shards restarted (``kvblend stop`` + ``kvblend server``: host memory empty, so every chunk
+  is read from the tiers below it, where the faults are);
+* one ``vllm serve`` with the connector (:func:`cluster.workloads.replicas.start_replica`, the
+  demo's), whose connector reaches Redis/S3 through the same proxies for direct reads.
+
+:meth:`FaultRig.close` stops everything it started (the replica, the shards, Ray, the proxies,
+the services), also after an error. Objects are damaged through the tiers' own classes, opened
+on the services' direct addresses (never through a proxy a fault may be holding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+#: the S3 server's prefix for chunk objects
+S3_PREFIX = "kvblend"
+#: disk tier per shard, GiB (holds every passage of the bench)
+DISK_GIB = 4.0
+
+
+def kvblend_cli(args: list[str], env: dict[str, str] | None = None, check: bool = True,
+                timeout_s: float = 600.0) -> subprocess.CompletedProcess:
+    """Run ``kvblend ARGS`` (this interpreter's CLI) with ``env`` added to the environment.
+
+    Raises:
+        RuntimeError: a non-zero exit when ``check`` (with its output).
+    """
+    cmd = [sys.executable, "-m", "cluster.cli.main", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                       env={**os.environ, **(env or {})})
+    if check and r.returncode != 0:
+        raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return r
+
+
+class FaultRig:
+    """Services, proxies, cluster and one vLLM replica for the fault rows (see the module
+    docstring). Use as a context manager; ``workdir`` holds logs, the disk tier and the
+    connector's events (``events_path``)."""
+
+    def __init__(self, workdir: str, model_path: str) -> None:
+        self.workdir = os.path.abspath(workdir)
+        self.model_path = model_path
+        self.events_path = os.path.join(self.workdir, "connector-events.jsonl")
+        self.disk_root = os.path.join(self.workdir, "disk")
+        self._stack = contextlib.ExitStack()
+        self.replica = None
+
+    # -- start and stop ------------------------------------------------------------------------
+    def __enter__(self) -> FaultRig:
+        try:
+            self._start_services()
+            self._start_cluster()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start_services(self) -> None:
+        from cluster.workloads.faults import TcpProxy
+        from cluster.workloads.services import start_redis_process, start_s3
+
+        os.makedirs(self.workdir, exist_ok=True)
+        self.redis = self._stack.enter_context(start_redis_process())
+        endpoint, bucket = self._stack.enter_context(start_s3())
+        self.s3_endpoint, self.bucket = endpoint, bucket
+        self.redis_proxy = self._stack.enter_context(TcpProxy("127.0.0.1", self.redis.port))
+        s3_port = int(endpoint.rsplit(":", 1)[1])
+        self.s3_proxy = self._stack.enter_context(TcpProxy("127.0.0.1", s3_port))
+        # what every kvblend process of the rig reads (shards, the connector, ingest)
+        self.env = {"KVBLEND_REDIS_URL": self.redis_proxy.via(self.redis.url),
+                    "KVBLEND_S3_URL": f"s3://{bucket}/{S3_PREFIX}",
+                    "KVBLEND_S3_ENDPOINT_URL": self.s3_proxy.via(endpoint),
+                    "KVBLEND_S3_REGION": "us-east-1",
+                    "KVBLEND_DISK_PATH": self.disk_root, "KVBLEND_DISK_SIZE_GIB": str(DISK_GIB),
+                    "KVBLEND_HOST_SIZE_GIB": "1.0"}
+
+    def _start_cluster(self) -> None:
+        kvblend_cli(["server", "--address", "local"], env=self.env)
+        self._stack.callback(self._stop_cluster)
+
+    def _stop_cluster(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        kvblend_cli(["stop"], env=self.env, check=False)
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
+                       capture_output=True, timeout=120)
+
+    def restart_shards(self, while_stopped=None) -> None:
+        """``kvblend stop``, ``while_stopped()`` (when given), then ``kvblend server``: host
+        memory is empty afterwards, the disk index is rebuilt from the files, Redis and S3
+        keep their objects."""
+        kvblend_cli(["stop"], env=self.env)
+        if while_stopped is not None:
+            while_stopped()
+        kvblend_cli(["server"], env=self.env)
+
+    def start_replica(self) -> None:
+        """One ``vllm serve`` with the connector on every core, events to ``events_path``."""
+        from cluster.workloads.replicas import replica_cpus, start_replica, wait_ready
+
+        extra = {"ray_address": "auto", "stats_path": self.events_path}
+        self.replica = start_replica("faults", self.model_path, connector_extra=extra, log_dir=self.workdir,
+                                     env=self.env, cpus=replica_cpus(0, 1))
+        self._stack.callback(self.replica.stop)
+        wait_ready(self.replica, timeout_s=600.0)
+
+    def close(self) -> None:
+        """Stop everything started, newest first (idempotent)."""
+        self._stack.close()
+
+    # -- what the faults act on ------------------------------------------------------------------
+    def config(self):
+        """The rig's :class:`cluster.config.KVBlendConfig` (as its processes read it)."""
+        from cluster.config import load_config
+
+        return load_config(environ={**os.environ, **self.env})
+
+    def status(self) -> dict:
+        """``kvblend status --json``'s shards: name -> stats (``pid``, ``counters``, ...)."""
+        r = kvblend_cli(["status", "--json"], env=self.env, check=False, timeout_s=120)
+        if r.returncode != 0:
+            return {}
+        return json.loads(r.stdout).get("shards", {})
+
+    def shard_pids(self, wait_s: float = 60.0) -> list[int]:
+        """The shards' process ids, asking again for up to ``wait_s`` seconds while a shard
+        does not answer ``status`` in time (e.g. working off what queued while it was stopped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            shards = self.status()
+            if (shards and all("pid" in s for s in shards.values())) or time.monotonic() > deadline:
+                return [int(s["pid"]) for s in shards.values() if "pid" in s]
+            time.sleep(2.0)
+
+    def direct_tiers(self) -> dict:
+        """``{'disk': DiskTier, 'redis': RedisTier, 's3': S3Tier}`` over the shard's disk
+        directory and the services' own addresses (not the proxies). Opened once, while the
+        shard runs (its status names the directory); the disk view indexes the files there
+        then."""
+        if getattr(self, "_direct", None) is None:
+            self._direct = self._open_direct_tiers()
+        return self._direct
+
+    def _open_direct_tiers(self) -> dict:
+        from tiers.config import TiersConfig
+        from tiers.disk import DiskTier
+        from tiers.lower import shared_tiers
+
+        dirs = [s["disk_path"] for s in self.status().values() if s.get("disk_path")]
+        if len(dirs) != 1:
+            raise RuntimeError(f"expected one shard disk directory, found {dirs}")
+        cfg = TiersConfig(redis_url=self.redis.url, s3_url=f"s3://{self.bucket}/{S3_PREFIX}",
+                          s3_endpoint_url=self.s3_endpoint, s3_region="us-east-1")
+        redis, s3 = shared_tiers(cfg)
+        # a view of the shard's files: as large as the shard's tier, so its rebuild removes nothing
+        disk = DiskTier(dirs[0], int(DISK_GIB * 2**30) * 4, name="disk")
+        return {"disk": disk, "redis": redis, "s3": s3}
+
+    def process_rss_mib(self) -> dict[str, float]:
+        """Resident memory (MiB) of the replica's processes (vLLM's front end, its engine core,
+        the connector's cache agent), the shards and redis-server, by name."""
+        import psutil
+
+        out: dict[str, float] = {}
+        procs = []
+        if self.replica is not None:
+            root = psutil.Process(self.replica.proc.pid)
+            procs += [("vllm", root), *((f"vllm-child-{p.pid}", p) for p in root.children(recursive=True))]
+        procs += [(f"shard-{pid}", psutil.Process(pid)) for pid in self.shard_pids()]
+        if self.redis.proc is not None:
+            procs.append(("redis-server", psutil.Process(self.redis.proc.pid)))
+        for name, p in procs:
+            with contextlib.suppress(psutil.Error):
+                out[name] = p.memory_info().rss / 2**20
+        return out
+
+
+def wait_until(check, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+    """Poll ``check()`` until true; a hang guard (``RuntimeError`` naming ``what`` past
+    ``timeout_s`` seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
