@@ -54,13 +54,18 @@ from tiers.format import decode_layer, parse_header
 
 #: seconds any one call may take before it counts as a hang (a guard, never a timing assertion)
 HANG_S = 90.0
-#: the shard's lookup deadline: twice the default, so that on a loaded 2-core machine a read
+#: the shards' lookup deadline: 4x the default, so that on a loaded 2-core machine every read
 #: starts before it (a key whose read never started is late without blaming the tier, and the
-#: breaker would not open); the slow proxy adds SLOW_DELAY_S each way, more than the deadline
-LOOKUP_TIMEOUT_S = 2 * TiersConfig.lookup_timeout_s
-SLOW_DELAY_S = 1.2 * LOOKUP_TIMEOUT_S
-#: per tier call: short, so the reads a fault blocks give up soon (the slow test uses the default)
-IO_TIMEOUT_S = 1.0
+#: breaker would not open: seen with 0.25 s while vLLM tests ran beside)
+LOOKUP_TIMEOUT_S = 4 * TiersConfig.lookup_timeout_s
+#: the slow-proxy test's deadline, and its delay each way (more than the deadline; a round trip
+#: stays under the default io_timeout_s)
+SLOW_LOOKUP_TIMEOUT_S = 2 * TiersConfig.lookup_timeout_s
+SLOW_DELAY_S = 1.2 * SLOW_LOOKUP_TIMEOUT_S
+#: per tier call: twice the lookup deadline, so a read a fault blocks is still out when the
+#: deadline comes (a late key, counted as a timeout, not a failed read) and gives up soon after
+#: (the slow test uses the default)
+IO_TIMEOUT_S = 2 * LOOKUP_TIMEOUT_S
 #: the lookup deadline of the tests whose subject it is not (bad objects, full disk): a loaded
 #: machine (moto's S3 server runs in this process) never makes their lookups late
 NO_DEADLINE_S = 60.0
@@ -71,7 +76,8 @@ FAULT_READ_S = 5.0
 def _shard(monkeypatch, disk_root, **cfg):
     """A Ray-free shard whose host objects are kept in ``shard.objects``; the breaker's
     cool-down is an hour (a test ends it by hand: no sleeps)."""
-    cfg = {"host_size_gib": 0.01, "disk_size_gib": 0.0, "io_timeout_s": IO_TIMEOUT_S, **cfg}
+    cfg = {"host_size_gib": 0.01, "disk_size_gib": 0.0, "io_timeout_s": IO_TIMEOUT_S,
+           "lookup_timeout_s": LOOKUP_TIMEOUT_S, **cfg}
     s = ray_free_shard(monkeypatch, disk_root, TiersConfig(**cfg))
     s.objects = {}  # ref -> the object's bytes (the shard's ray.put stand-in)
 
@@ -285,7 +291,8 @@ def test_redis_slow_proxy_is_late_for_lookups_but_never_wrong(
     proxy = proxies("127.0.0.1", server.port)
     # the default io_timeout_s, over a round trip: the slow tier answers, late for lookups
     assert TiersConfig.io_timeout_s > 2 * SLOW_DELAY_S
-    shard = shards(tmp_path, redis_url=proxy.via(server.url), io_timeout_s=TiersConfig.io_timeout_s)
+    shard = shards(tmp_path, redis_url=proxy.via(server.url), io_timeout_s=TiersConfig.io_timeout_s,
+                   lookup_timeout_s=SLOW_LOOKUP_TIMEOUT_S)
     keys, kvs = _chunks(4, seed=100)
     _below_host(shard, keys, kvs)
 
