@@ -134,3 +134,33 @@ def test_redis_password_from_url_and_never_logged(caplog, private_redis):
     assert wrong.contains([key]) == [False] and not wrong.put(key, b"x")
     assert wrong.stats()["errors"] == 2
     assert "s3cret-pw" not in caplog.text and "wrong@" not in caplog.text
+
+
+@pytest.mark.parametrize("checksums", ["default", "when_required"])
+def test_s3_checksum_settings_neither_break_nor_pollute_a_32_mib_chunk(make_tier, monkeypatch, checksums):
+    """boto3 #4435 (issue 20): botocore's default request checksums (aws-chunked bodies with a
+    trailing CRC) and the ``when_required`` setting both put and get a 32 MiB chunk through an
+    S3-compatible server (moto) byte-identical; the stored object is exactly the chunk (no
+    checksum trailer in it)."""
+    import boto3
+
+    if checksums == "when_required":
+        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    else:
+        monkeypatch.delenv("AWS_REQUEST_CHECKSUM_CALCULATION", raising=False)
+        monkeypatch.delenv("AWS_RESPONSE_CHECKSUM_VALIDATION", raising=False)
+    tier = make_tier("s3")
+    key = make_key(32)
+    kv = make_kv(num_layers=2, num_tokens=4096, num_kv_heads=4, head_dim=256)  # bfloat16
+    obj = make_object(key, kv)
+    assert len(obj) > 32 << 20
+    assert tier.put(key, obj)
+    assert bytes(tier.get(key)) == obj
+    outs = layer_buffers(kv)
+    assert read_layers(tier, key, [0, 1], outs) is not None
+    assert all(as_layer(o, kv[i]).equal(kv[i]) for i, o in enumerate(outs))
+    s3 = boto3.client("s3", endpoint_url=tier._client.meta.endpoint_url, region_name="us-east-1")
+    listed = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=tier.bucket, Prefix=tier.prefix)
+              for o in page.get("Contents", [])]
+    assert [o["Size"] for o in listed] == [len(obj)]
