@@ -23,9 +23,9 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
+
+from cluster.workloads.replicas import kvblend_cli, stop_local_cluster
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +33,6 @@ log = logging.getLogger(__name__)
 S3_PREFIX = "kvblend"
 #: disk tier per shard, GiB (holds every passage of the bench)
 DISK_GIB = 4.0
-
-
-def kvblend_cli(args: list[str], env: dict[str, str] | None = None, check: bool = True,
-                timeout_s: float = 600.0) -> subprocess.CompletedProcess:
-    """Run ``kvblend ARGS`` (this interpreter's CLI) with ``env`` added to the environment.
-
-    Raises:
-        RuntimeError: a non-zero exit when ``check`` (with its output).
-    """
-    cmd = [sys.executable, "-m", "cluster.cli.main", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                       env={**os.environ, **(env or {})})
-    if check and r.returncode != 0:
-        raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    return r
 
 
 class FaultRig:
@@ -96,26 +81,17 @@ class FaultRig:
                     "KVBLEND_HOST_SIZE_GIB": "1.0"}
 
     def _start_cluster(self) -> None:
-        kvblend_cli(["server", "--address", "local"], env=self.env)
-        self._stack.callback(self._stop_cluster)
-
-    def _stop_cluster(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        kvblend_cli(["stop"], env=self.env, check=False)
-        subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
-                       capture_output=True, timeout=120)
+        kvblend_cli("server", "--address", "local", env=self.env, timeout_s=600)
+        self._stack.callback(stop_local_cluster, self.env)
 
     def restart_shards(self, while_stopped=None) -> None:
         """``kvblend stop``, ``while_stopped()`` (when given), then ``kvblend server``: host
         memory is empty afterwards, the disk index is rebuilt from the files, Redis and S3
         keep their objects."""
-        kvblend_cli(["stop"], env=self.env)
+        kvblend_cli("stop", env=self.env, timeout_s=600)
         if while_stopped is not None:
             while_stopped()
-        kvblend_cli(["server"], env=self.env)
+        kvblend_cli("server", env=self.env, timeout_s=600)
 
     def start_replica(self) -> None:
         """One ``vllm serve`` with the connector on every core, events to ``events_path``."""
@@ -140,7 +116,7 @@ class FaultRig:
 
     def status(self) -> dict:
         """``kvblend status --json``'s shards: name -> stats (``pid``, ``counters``, ...)."""
-        r = kvblend_cli(["status", "--json"], env=self.env, check=False, timeout_s=120)
+        r = kvblend_cli("status", "--json", env=self.env, check=False, timeout_s=120)
         if r.returncode != 0:
             return {}
         return json.loads(r.stdout).get("shards", {})

@@ -124,6 +124,7 @@ def send(rig, prompts, reference, max_tokens: int, params: dict) -> dict:
     ``kv_transfer_params`` ``params``; ``requests``, ``failed_requests``, ``wrong_outputs``
     (text differs from ``reference[i]``; None: not compared), ``ttft_p50_s``, ``ttft_p99_s``,
     ``ttfts_s``, ``texts`` (None for a failed request)."""
+    from cluster.workloads.demo_report import quantile
     from cluster.workloads.replicas import complete
 
     ttfts, texts, failed, wrong = [], [], 0, 0
@@ -142,9 +143,5 @@ def send(rig, prompts, reference, max_tokens: int, params: dict) -> dict:
             wrong += 1
     return {"requests": len(prompts), "failed_requests": failed, "wrong_outputs": wrong,
             "ttft_p50_s": statistics.median(ttfts) if ttfts else float("nan"),
-            "ttft_p99_s": _percentile(ttfts, 0.99), "ttfts_s": ttfts, "texts": texts}
+            "ttft_p99_s": quantile(ttfts, 0.99) if ttfts else float("nan"), "ttfts_s": ttfts, "texts": texts}
 
-
-def _percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))] if values else float("nan")

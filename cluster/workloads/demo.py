@@ -32,14 +32,13 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from cluster.vllm.events import read_events
 from cluster.workloads.demo_report import ModeResult, Steps, connector_summary, write_report
+from cluster.workloads.replicas import kvblend_cli, stop_local_cluster
 
 log = logging.getLogger("kvblend.demo")
 
@@ -138,14 +137,6 @@ def render_prompt(tokenizer, query: Query, separator: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _kvblend_cli(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cluster.cli.main", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env} if env else None)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    return r
-
-
 def _serve_queries(mode: str, replicas, prompts, warm_prompts, max_tokens, *, salted: bool = False,
                    after_warmup=None) -> ModeResult:
     """Warm every replica up with ``warm_prompts`` (2 tokens each), then send ``prompts`` one at a
@@ -208,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.suppress(Exception):  # its error, if any, was raised above
                 cluster.wait()
             if not args.keep:
-                _stop_cluster()
+                stop_local_cluster()
     meta = {"dataset": args.dataset, "num_queries": args.num_queries, "passages_per_query": args.passages_per_query,
             "mean_prompt_tokens": demo.mean_prompt_tokens, "modes": modes,
             "elapsed_s": time.perf_counter() - t_start, "steps": steps.rows,
@@ -320,7 +311,7 @@ class _ClusterStart:
 
     def _start(self) -> None:
         try:
-            _kvblend_cli(*self._argv, env=self._env)
+            kvblend_cli(*self._argv, env=self._env)
             print(f"cluster: local Ray + shards up in {time.perf_counter() - self._t0:.1f} s")
         except BaseException as e:  # noqa: BLE001 - raised again by wait()
             self._error = e
@@ -331,17 +322,6 @@ class _ClusterStart:
             raise RuntimeError(f"`kvblend server` did not finish in {timeout_s:.0f} s")
         if self._error is not None:
             raise RuntimeError(f"starting the demo's cluster failed: {self._error}") from self._error
-
-
-def _stop_cluster() -> None:
-    """Step 5: this driver's Ray connection, the shards (``kvblend stop``), then Ray itself."""
-    import ray
-
-    if ray.is_initialized():  # our own driver (ingest) first: else the raylet's exit looks like a crash
-        ray.shutdown()
-    _kvblend_cli("stop", check=False)
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
-                   capture_output=True)
 
 
 def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
@@ -388,7 +368,7 @@ def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
         for r in reps:
             r.stop()
     res.extra = connector_summary(read_events(stats_path)[mark.get("n", 0):])
-    status = _kvblend_cli("status", "--json", check=False)
+    status = kvblend_cli("status", "--json", check=False)
     if status.returncode == 0:
         try:
             res.extra["shards"] = json.loads(status.stdout)

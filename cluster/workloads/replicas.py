@@ -192,3 +192,32 @@ def complete(url: str, prompt: str | list[int], max_tokens: int = 16, timeout_s:
             parts.append(chunk["choices"][0].get("text", ""))
     total = time.perf_counter() - t0
     return Completion("".join(parts), ttft if ttft is not None else total, total)
+
+
+def kvblend_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
+                timeout_s: float | None = None) -> subprocess.CompletedProcess:
+    """Run ``kvblend ARGS`` with this interpreter (output captured), ``env`` added to the
+    environment (secrets go there, never into argv).
+
+    Raises:
+        RuntimeError: a non-zero exit when ``check`` (with the command's output).
+        subprocess.TimeoutExpired: past ``timeout_s`` seconds (None: no limit).
+    """
+    cmd = [sys.executable, "-m", "cluster.cli.main", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                       env={**os.environ, **env} if env else None)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return r
+
+
+def stop_local_cluster(env: dict[str, str] | None = None) -> None:
+    """Stop what ``kvblend server`` started here: this process's Ray connection first (else the
+    raylet's exit looks like a crash to it), the shards (``kvblend stop``), then Ray itself."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    kvblend_cli("stop", check=False, env=env, timeout_s=600)
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
+                   capture_output=True, timeout=120)
