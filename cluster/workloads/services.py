@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -21,9 +22,35 @@ import time
 import uuid
 from collections.abc import Iterator
 
+# Ray's worker processes listen on 10002-19999 by default (``--min/max-worker-port``).
+_FIXED_PORTS_FROM = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; 32768-60999 if unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(lo), int(hi)
+    return 32768, 60999
+
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    """A TCP port that was free on 127.0.0.1 a moment ago, chosen below the kernel's ephemeral
+    range and above Ray's worker ports: a port from ``bind(0)`` is an ephemeral one, which any
+    outgoing connection (Ray's, redis-py's) may take as its local port before the service we
+    pick it for binds it (``Address already in use``). Falls back to ``bind(0)`` when there is
+    no such range or 64 random tries found nothing free."""
+    lo, _ = _ephemeral_range()
+    if lo - _FIXED_PORTS_FROM >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(_FIXED_PORTS_FROM, lo)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

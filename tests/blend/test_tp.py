@@ -10,7 +10,6 @@ projections, a rounding difference of the same kind.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from blend.config import BlendConfig
 from blend.engine import BlendEngine
 from blend.planner import make_plan
 from cluster.cache.local import LocalCacheClient
+from cluster.workloads.services import free_port
 from tests.factories import blend_prompt, random_chunks, tiny_model
 from tiers.keys import Namespace, segment_key
 from tiers.tier import MemoryTier
@@ -30,12 +30,6 @@ MODEL = dict(num_layers=4, hidden=64, heads=4, kv_heads=2, vocab=128)
 #: Allowed error as a multiple of the two-kernel gap. Measured (2026-11-29, this model and
 #: prompt): KV error 0.6-0.7x the KV gap (2.5e-6 vs 3.8e-6), logits error 1.6x (2.6e-6 vs 1.7e-6).
 GAP_MULTIPLE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _namespace(spec, rank: int, size: int) -> str:
@@ -149,7 +143,7 @@ def _attention_kernel_gap(adapter, ids) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("tp"))
-    mp.spawn(_rank_main, args=(_free_port(), out_dir), nprocs=TP, join=True)
+    mp.spawn(_rank_main, args=(free_port(), out_dir), nprocs=TP, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(TP)]
 
 

@@ -12,7 +12,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -21,15 +20,11 @@ import time
 
 import pytest
 
+from cluster.workloads.services import free_port
+
 pytestmark = pytest.mark.slow
 
 BIN = pathlib.Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fresh_machine_env(home: pathlib.Path) -> dict[str, str]:
@@ -47,7 +42,7 @@ def test_server_requires_a_ray_token_on_a_fresh_machine(tmp_path):
     other.mkdir()
     env = _fresh_machine_env(home)
     temp_dir = tempfile.mkdtemp(prefix="kvbauth-", dir="/tmp")  # short: Ray puts sockets under it
-    dash = _free_port()
+    dash = free_port()
     try:
         r = subprocess.run([str(BIN / "kvblend"), "server", "--address", "local", "--host-size-gib", "0.05",
                             "--disk-size-gib", "0", "--dashboard-port", str(dash), "--temp-dir", temp_dir],

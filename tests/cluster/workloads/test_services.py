@@ -48,3 +48,23 @@ def test_s3_endpoint_serves_its_bucket_and_restores_the_environment(monkeypatch)
         assert s3.get_object(Bucket=bucket, Key="chunk")["Body"].read() == b"\x00kv\xff"
         assert os.environ["AWS_ACCESS_KEY_ID"] == "kvblend-test"
     assert "AWS_ACCESS_KEY_ID" not in os.environ and "AWS_DEFAULT_REGION" not in os.environ
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable():
+    """An ephemeral port can be taken by any outgoing connection between the pick and the bind
+    (CI: vLLM's ``Address already in use`` beside a Ray head), so picks stay below that range."""
+    import socket
+
+    lo, hi = services._ephemeral_range()
+    ports = [services.free_port() for _ in range(20)]
+    for port in ports:
+        assert 20000 <= port < lo or lo - 20000 < 1000, (port, lo, hi)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    assert len(set(ports)) > 1
+
+
+def test_free_port_falls_back_to_the_kernels_pick_without_room_below_the_ephemeral_range(monkeypatch):
+    real_lo, real_hi = services._ephemeral_range()
+    monkeypatch.setattr(services, "_ephemeral_range", lambda: (20100, 60999))
+    assert real_lo <= services.free_port() <= real_hi  # bind(0): the kernel's ephemeral pick
