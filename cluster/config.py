@@ -213,9 +213,13 @@ def load_config(
 
     Raises:
         ValueError: unknown key, malformed value or value out of range; the message names
-            the key or variable, the value and what is allowed.
+            the key or variable, the value and what is allowed. Also (reading this process's
+            environment, which also sets the object key: :func:`cluster.env.configure_object_auth`)
+            an object key that is unreadable or too short.
     """
-    environ = envmod.snapshot() if environ is None else environ
+    if environ is None:
+        environ = envmod.snapshot()
+        envmod.configure_object_auth(environ)  # a bad object key stops start-up (ValueError)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {name: "default" for name in FIELD_SECTION}
 

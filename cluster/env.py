@@ -6,6 +6,8 @@ Registry:
   KVBLEND_<FIELD>          any config field by its upper-cased name, e.g. KVBLEND_RECOMPUTE_RATIOS
   KVBLEND_NODE_NAME        a shard node's stable identity, naming its disk directories
                            (read by the shard actor at start-up: cluster.cache.identity)
+  KVBLEND_OBJECT_KEY       the secret that signs and checks chunk objects (tiers.auth); or
+  KVBLEND_OBJECT_KEY_FILE  a file holding it (wins); never a config field, never logged
   LMCACHE_CONFIG_FILE      an LMCache YAML file (read through cluster.config.LMCACHE_KEYS)
   LMCACHE_<KEY>            LMCache's variables (LMCACHE_ENABLE_BLENDING, ...), same table
   RAY_ADDRESS              read by Ray itself when ray_address is 'auto'
@@ -51,8 +53,27 @@ def config_values(environ: dict[str, str], fields: Collection[str]) -> Iterator[
             yield var[len(LMCACHE_PREFIX):].lower(), environ[var], var
 
 
-# KVBLEND_* variables that are not config fields (test and tooling switches, the node name).
-_INTERNAL = {"log_level", "test_keep", "connector_debug", "node_name"}
+# KVBLEND_* variables that are not config fields (test and tooling switches, the node name,
+# the object key).
+_INTERNAL = {"log_level", "test_keep", "connector_debug", "node_name", "object_key", "object_key_file"}
+
+OBJECT_KEY = "KVBLEND_OBJECT_KEY"
+OBJECT_KEY_FILE = "KVBLEND_OBJECT_KEY_FILE"
+
+
+def configure_object_auth(environ: dict[str, str]) -> bool:
+    """Sign and check chunk objects in this process with the key ``environ`` names
+    (:mod:`tiers.auth`), or neither when it names none; True when a key is set. Called at
+    start-up by ``load_config`` (of this process's environment), a shard's constructor and
+    the node agent.
+
+    Raises:
+        ValueError: an unreadable key file or a key under 16 bytes (the key is not shown).
+    """
+    from tiers import auth
+
+    auth.configure(auth.load_key(environ.get(OBJECT_KEY_FILE, ""), environ.get(OBJECT_KEY, "")))
+    return auth.current() is not None
 
 NODE_NAME = "KVBLEND_NODE_NAME"
 

@@ -4,11 +4,17 @@ Layout (all integers little-endian)::
 
     | prefix (16 B) | header (JSON, header_len B) | layer 0 payload | layer 1 payload | ... |
 
-    prefix  = magic b"KVBC" | version u16 | flags u16 (0) | header_len u32 | header_xxh32 u32
+    prefix  = magic b"KVBC" | version u16 | flags u16 | header_len u32 | header_xxh32 u32
     header  = {"key": "<ns>/<kind>/<hash>", "dtype": "bfloat16", "num_layers": L,
                "num_tokens": T, "num_kv_heads": H, "head_dim": D,
                "positions": [[start, length], ...],          # runs; K was rotated at these
                "layers": [[offset, stored_len, raw_len, codec, xxh64], ...]}   # one per layer
+
+With a key set (:mod:`tiers.auth`), ``flags`` has :data:`FLAG_MAC`, the header also holds
+``"nonce": "<32 hex>"``, each layer entry a sixth item, its Poly1305 tag (32 hex), and the
+header region (``header_len`` bytes, all covered by ``header_xxh32``) ends with the header's
+16-byte BLAKE2b tag after the JSON. Version 2 added the tags; objects of version 1 are misses
+(their keys' namespaces differ too) that ``kvblend clear --stale`` deletes.
 
 A layer's raw payload is the layer's K and V, ``[2, T, H, D]`` (axis 0: K then V) in
 ``dtype``, C-contiguous. ``codec`` is 0 (raw) or 1 (lz4 block); a layer is compressed only
@@ -39,6 +45,7 @@ import lz4.block
 import numpy as np
 import xxhash
 
+from tiers import auth
 from tiers.keys import FORMAT_VERSION, ChunkKey
 
 MAGIC = b"KVBC"
@@ -49,6 +56,8 @@ MAX_HEADER_BYTES = 1 << 24
 MIN_LZ4_RATIO = 1.1
 CODEC_RAW = 0
 CODEC_LZ4 = 1
+#: prefix flag: the header ends with a BLAKE2b tag and every layer entry carries a Poly1305 tag
+FLAG_MAC = 1
 
 #: Hard limits on what a header may claim, checked by :func:`parse_header` before anything is
 #: allocated for it (a 7B model's layer of 256 tokens is 1 MiB; 1 GiB is a 32k-token segment of
@@ -67,6 +76,10 @@ class FormatError(Exception):
     """A chunk object is truncated, corrupted, foreign or of another version."""
 
 
+class AuthError(FormatError):
+    """A chunk object without a valid MAC, read by a process that has an object key."""
+
+
 @dataclass(frozen=True)
 class LayerEntry:
     offset: int
@@ -74,6 +87,7 @@ class LayerEntry:
     raw_len: int
     codec: int
     checksum: int
+    tag: bytes = b""  # Poly1305 tag of the stored payload (authenticated objects only)
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,7 @@ class ChunkHeader:
     positions: tuple[tuple[int, int], ...]
     layers: tuple[LayerEntry, ...]
     header_end: int
+    nonce: bytes = b""  # per-object random nonce of the layer tags (authenticated objects only)
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
@@ -173,19 +188,31 @@ def encode_chunk(
     header = {"key": str(key), "dtype": dtype, "num_layers": len(payloads),
               "num_tokens": num_tokens, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
               "positions": positions_to_runs(positions), "layers": entries}
+    signer = auth.current()
+    tag_bytes = 0
+    if signer is not None:
+        nonce = signer.new_nonce()
+        header["nonce"] = nonce.hex()
+        for i, (e, p) in enumerate(zip(entries, payloads, strict=True)):
+            e.append(signer.layer_tag(nonce, i, p).hex())
+        tag_bytes = auth.TAG_BYTES
     # Offsets depend on the header's length, which depends on the offsets' digits: fix the
     # point by padding offsets to a generous width first.
     for e in entries:
         e[0] = 10**15
     blob_len = len(json.dumps(header, separators=(",", ":")).encode())
-    offset = PREFIX_BYTES + blob_len
+    offset = PREFIX_BYTES + blob_len + tag_bytes
     for e, p in zip(entries, payloads, strict=True):
         e[0] = offset
         offset += len(p)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob = blob + b" " * (blob_len - len(blob))  # pad back to the reserved length
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(blob), xxhash.xxh32_intdigest(blob))
-    return b"".join([prefix, blob, *payloads])
+    if signer is None:
+        prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(blob), xxhash.xxh32_intdigest(blob))
+        return b"".join([prefix, blob, *payloads])
+    prefix12 = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, FLAG_MAC, len(blob) + tag_bytes)
+    region = blob + signer.header_tag(prefix12, blob)
+    return b"".join([prefix12, struct.pack("<I", xxhash.xxh32_intdigest(region)), region, *payloads])
 
 
 def parse_prefix(buf: bytes | memoryview) -> int:
@@ -219,18 +246,30 @@ def parse_header(buf: bytes | memoryview, expected_key: ChunkKey | None = None) 
     if len(buf) < end:
         raise FormatError("truncated header")
     blob = bytes(buf[PREFIX_BYTES:end])
-    crc = _PREFIX.unpack_from(buf, 0)[4]
+    _, _, flags, _, crc = _PREFIX.unpack_from(buf, 0)
     if xxhash.xxh32_intdigest(blob) != crc:
         raise FormatError("header checksum mismatch")
+    signed = bool(flags & FLAG_MAC)
+    checker = auth.current()
+    if signed:
+        if header_len < auth.TAG_BYTES:
+            raise FormatError("truncated header tag")
+        blob, tag = blob[:-auth.TAG_BYTES], blob[-auth.TAG_BYTES:]
+        if checker is not None and not checker.header_ok(bytes(buf[:12]), blob, tag):
+            raise AuthError("header tag mismatch")
+    elif checker is not None:
+        raise AuthError("object without a MAC (an object key is set)")
     try:
         h = json.loads(blob)
-        layers = tuple(LayerEntry(*map(int, e)) for e in h["layers"])
+        layers = tuple(_layer_entry(e, signed) for e in h["layers"])
         header = ChunkHeader(
             key=str(h["key"]), dtype=str(h["dtype"]), num_layers=int(h["num_layers"]),
             num_tokens=int(h["num_tokens"]), num_kv_heads=int(h["num_kv_heads"]),
             head_dim=int(h["head_dim"]),
             positions=tuple((int(a), int(b)) for a, b in h["positions"]),
-            layers=layers, header_end=end)
+            layers=layers, header_end=end, nonce=bytes.fromhex(h["nonce"]) if signed else b"")
+        if signed and len(header.nonce) != auth.NONCE_BYTES:
+            raise ValueError(f"nonce of {len(header.nonce)} bytes")
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
         # OverflowError: a number like 1e400 (int(inf)); RecursionError: deeply nested JSON
         raise FormatError(f"malformed header: {type(e).__name__}: {str(e)[:200]}") from None
@@ -238,6 +277,34 @@ def parse_header(buf: bytes | memoryview, expected_key: ChunkKey | None = None) 
     if expected_key is not None and header.key != str(expected_key):
         raise FormatError(f"object holds {header.key}, expected {expected_key}")
     return header
+
+
+def _layer_entry(e, signed: bool) -> LayerEntry:
+    """One ``layers`` item: five integers, and a 16-byte hex tag when ``signed``.
+    Raises ValueError/TypeError when it is not that."""
+    if len(e) != 5 + signed:
+        raise ValueError(f"layer entry of {len(e)} items")
+    tag = bytes.fromhex(e[5]) if signed else b""
+    if signed and len(tag) != auth.TAG_BYTES:
+        raise ValueError(f"layer tag of {len(tag)} bytes")
+    return LayerEntry(*map(int, e[:5]), tag)
+
+
+def check_payload(header: ChunkHeader, layer_idx: int, payload, *, authenticate: bool = True) -> None:
+    """Check one layer's stored payload: its Poly1305 tag when this process has an object key
+    and ``authenticate`` (False only for bytes read from host memory, which were authenticated
+    when they entered it), else its XXH3-64. Lengths are the caller's to check.
+
+    Raises:
+        FormatError: checksum mismatch; AuthError: tag mismatch or missing.
+    """
+    e = header.layers[layer_idx]
+    checker = auth.current() if authenticate else None
+    if checker is not None:  # the tag catches every change the XXH3 would: one pass, not two
+        if not (e.tag and checker.layer_ok(header.nonce, layer_idx, payload, e.tag)):
+            raise AuthError(f"layer {layer_idx}: tag mismatch")
+    elif xxhash.xxh3_64_intdigest(payload) != e.checksum:
+        raise FormatError(f"layer {layer_idx}: checksum mismatch")
 
 
 def _check_sizes(header: ChunkHeader) -> None:
@@ -272,7 +339,8 @@ def _check_sizes(header: ChunkHeader) -> None:
 
 
 def decode_layer(header: ChunkHeader, layer_idx: int, payload: bytes | memoryview,
-                 out: memoryview | None = None, *, verify: bool = True) -> memoryview:
+                 out: memoryview | None = None, *, verify: bool = True,
+                 authenticate: bool = True) -> memoryview:
     """Check and decode one layer's stored payload.
 
     Args:
@@ -280,19 +348,22 @@ def decode_layer(header: ChunkHeader, layer_idx: int, payload: bytes | memoryvie
             with numpy, which releases the GIL: io threads copy layers in parallel).
         verify: check the payload's XXH3 (False only for bytes whose XXH3 against this very
             header entry was checked when they entered memory).
+        authenticate: with ``verify``, also its tag when a key is set (:func:`check_payload`;
+            False for bytes read from host memory).
 
     Returns:
         The raw ``[2, T, H, D]`` bytes (``out`` when given; else a view of ``payload`` for a
         raw layer, or fresh bytes for an lz4 layer).
 
     Raises:
-        FormatError: length or checksum mismatch, or an lz4 stream that does not decode.
+        FormatError: length or checksum mismatch, or an lz4 stream that does not decode;
+            AuthError: a tag that does not match.
     """
     e = header.layers[layer_idx]
     if len(payload) != e.stored_len:
         raise FormatError(f"layer {layer_idx}: {len(payload)} bytes, expected {e.stored_len}")
-    if verify and xxhash.xxh3_64_intdigest(payload) != e.checksum:
-        raise FormatError(f"layer {layer_idx}: checksum mismatch")
+    if verify:
+        check_payload(header, layer_idx, payload, authenticate=authenticate)
     if e.codec == CODEC_LZ4:
         try:
             raw = lz4.block.decompress(payload, uncompressed_size=e.raw_len)
@@ -320,11 +391,12 @@ def rewrite_header(obj: bytes | memoryview, **changes) -> bytes:
     obj = bytes(obj)
     magic, version, flags, header_len, _ = _PREFIX.unpack_from(obj, 0)
     end = PREFIX_BYTES + header_len
-    header = {**json.loads(obj[PREFIX_BYTES:end]), **changes}
+    tag = obj[end - auth.TAG_BYTES:end] if flags & FLAG_MAC else b""  # kept: now it fails
+    header = {**json.loads(obj[PREFIX_BYTES:end - len(tag)]), **changes}
     layers, delta = header["layers"], 0
     while True:  # offsets move with the header's length, whose digits they change in turn
         header["layers"] = [[e[0] + delta, *e[1:]] for e in layers]
-        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob = json.dumps(header, separators=(",", ":")).encode() + tag
         if len(blob) - header_len == delta:
             break
         delta = len(blob) - header_len

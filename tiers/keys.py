@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-#: Version of the chunk object format (tiers.format); part of every namespace.
-FORMAT_VERSION = 1
+#: Version of the chunk object format (tiers.format); part of every namespace. 2: object
+#: authentication (tiers.auth).
+FORMAT_VERSION = 2
 
 SEGMENT = "seg"
 PREFIX = "pre"

@@ -17,7 +17,8 @@ Every tier serves bytes; this module is where they become trusted KV, once, for 
    A whole-chunk read without a known header from a tier with ``open_stream`` (S3) is one
    request: the stream's prefix and header are parsed, then the layers are read from the
    same stream in order, raw ones straight into the caller's buffers.
-3. **Check and decode** — XXH3-64 of each stored payload, lz4 decompression where the
+3. **Check and decode** — XXH3-64 of each stored payload (and, with an object key, its
+   Poly1305 tag, :mod:`tiers.auth`), lz4 decompression where the
    header says so, into the caller's ``[2, T, H, D]`` buffer. A tier with
    ``get_ranges_verified`` (host memory) says which header its bytes were checked against
    when they entered it; a layer whose entry (offset, length, codec, checksum) is that
@@ -37,8 +38,6 @@ import logging
 import threading
 from collections.abc import Sequence
 
-import xxhash
-
 from tiers.format import (
     CODEC_RAW,
     HEADER_PROBE_BYTES,
@@ -46,6 +45,7 @@ from tiers.format import (
     ChunkHeader,
     FormatError,
     LayerEntry,
+    check_payload,
     decode_layer,
     parse_header,
     parse_prefix,
@@ -170,10 +170,9 @@ def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequ
             if not into(key, ranges, targets):
                 _count(counters, "misses")
                 return None
-            for i, e, v, b in zip(layer_idxs, entries, views, scratch, strict=False):
+            for i, v, b in zip(layer_idxs, views, scratch, strict=False):
                 if b is None:
-                    if xxhash.xxh3_64_intdigest(v) != e.checksum:
-                        raise FormatError(f"layer {i}: checksum mismatch")
+                    check_payload(header, i, v)
                 else:
                     decode_layer(header, i, b, v)
         else:
@@ -226,8 +225,7 @@ def _read_each(into_each, key: ChunkKey, header: ChunkHeader, layer_idxs: Sequen
     def check(j: int) -> None:
         e = entries[j]
         if e.codec == CODEC_RAW:
-            if xxhash.xxh3_64_intdigest(views[j]) != e.checksum:
-                raise FormatError(f"layer {layer_idxs[j]}: checksum mismatch")
+            check_payload(header, layer_idxs[j], views[j])
         else:
             decode_layer(header, layer_idxs[j], targets[j], views[j])
 
@@ -289,8 +287,7 @@ def _read_stream(tier: Tier, opener, key: ChunkKey, layer_idxs: Sequence[int],
             out = wanted.pop(i, None)
             if out is not None and e.codec == CODEC_RAW:
                 _read_exact(stream, out)
-                if xxhash.xxh3_64_intdigest(out) != e.checksum:
-                    raise FormatError(f"layer {i}: checksum mismatch")
+                check_payload(header, i, out)
             else:
                 scratch = bytearray(e.stored_len)
                 _read_exact(stream, memoryview(scratch))
@@ -335,8 +332,7 @@ def validate_object(obj: Buffer, key: ChunkKey) -> ChunkHeader:
     if header.total_bytes != view.nbytes:
         raise FormatError(f"object has {view.nbytes} bytes, header says {header.total_bytes}")
     for i, e in enumerate(header.layers):
-        if xxhash.xxh3_64_intdigest(view[e.offset:e.offset + e.stored_len]) != e.checksum:
-            raise FormatError(f"layer {i}: checksum mismatch")
+        check_payload(header, i, view[e.offset:e.offset + e.stored_len])
     return header
 
 

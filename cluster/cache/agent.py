@@ -32,6 +32,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from cluster.env import configure_object_auth
+
 log = logging.getLogger("kvblend.agent")
 
 #: threads answering requests (lookups, object reads and puts run side by side)
@@ -167,6 +169,7 @@ def main(argv: list[str]) -> int:
     _all_cpus()
     logging.basicConfig(level=os.environ.get("KVBLEND_AGENT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s kvblend-agent %(levelname)s %(message)s")
+    configure_object_auth(dict(os.environ))  # the vLLM worker's key: it started us
     sock = socket.socket(fileno=int(argv[0]))
     agent = Agent(sock)
     try:

@@ -302,7 +302,9 @@ class AgentClient:
                     arr, header = a
                     e = header.layers[layer_idx]
                     try:
-                        raw = decode_layer(header, layer_idx, memoryview(arr)[e.offset:e.offset + e.stored_len])
+                        # the node's host memory: authenticated as it entered (tiers.auth)
+                        raw = decode_layer(header, layer_idx, memoryview(arr)[e.offset:e.offset + e.stored_len],
+                                           authenticate=False)
                         # a copy: the mapped object serves the next request too, and the
                         # engine may write into what it gets
                         t = layer_tensor(bytearray(raw), header.layer_shape, header.dtype).to(self.device)

@@ -45,18 +45,16 @@ when each pass first fetches the 16 refs (``client_ratio``; each ``ObjectRef`` r
 call costs Ray ~0.3 ms of borrower bookkeeping, which is also why ``lookup`` returns no
 refs), lower with 2 MiB chunks (``--quick``: 0.35-0.87), on a shared machine (load 7-12).
 
-Memory budget: the object store must hold ``host_size_gib`` plus in-flight puts (each put
-passes its object through the store once). ``kvblend server`` starts Ray with
-``object_store_gib`` set explicitly (when not configured: the host tiers of the node's shards
-plus headroom; Ray's own default is 30% of RAM).
+Memory budget: the object store holds ``host_size_gib`` plus in-flight puts; ``kvblend server``
+sets ``object_store_gib`` (default: the node's host tiers plus headroom; Ray's is 30% of RAM).
 
 Failure behaviour: methods never raise for cache faults; a tier error is a miss counted in
 stats and metrics; ``lookup`` answers within ``lookup_timeout_s`` whatever the tiers below
 host memory do (:mod:`cluster.cache.deadline`: late keys are misses, a breaker per tier; its
 counters are also the metrics ``kvblend_lookup_timeouts``, ``kvblend_breaker_transitions`` and
 ``kvblend_breaker_open``); a corrupted or foreign object (checked by :mod:`tiers.format` /
-:mod:`tiers.reader`) is a miss plus ``read_errors``. Caller mistakes (malformed key strings)
-raise ``ValueError`` to the caller through Ray.
+:mod:`tiers.reader`; with an object key, :mod:`tiers.auth`: an object without a valid MAC)
+is a miss plus ``read_errors``. Malformed key strings raise ``ValueError`` through Ray.
 """
 
 from __future__ import annotations
@@ -75,6 +73,7 @@ import numpy as np
 from cluster.cache.deadline import LowerLookup
 from cluster.cache.identity import claim_disk_dir, node_name
 from cluster.cache.metrics import ShardMetrics
+from cluster.env import configure_object_auth
 from tiers.config import TiersConfig
 from tiers.format import FormatError
 from tiers.keys import ChunkKey
@@ -116,6 +115,7 @@ class CacheShard:
         import ray
 
         os.environ.update(env or {})  # this actor's own process (issue 19: no runtime_env secrets)
+        configure_object_auth(dict(os.environ))  # a bad object key fails the actor's start
 
         from tiers.disk import DiskTier
         from tiers.host import HostTier
