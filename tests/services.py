@@ -6,8 +6,11 @@ these fixtures by name; test modules never start services themselves, so the tes
 
 * ``redis_server`` — session-wide :class:`cluster.workloads.services.RedisProcess` (``.url``,
   ``.kill()``, ``.restart()``); ``redis_url`` — its URL.
-* ``private_redis`` — ``private_redis(*redis_server_args) -> RedisProcess``: a fresh
-  redis-server of this test's own (to kill, or with other settings), stopped when it ends.
+* ``private_redis`` — ``private_redis(*redis_server_args, tls=False, tls_auth_clients="no")
+  -> RedisProcess``: a fresh redis-server of this test's own (to kill, or with other settings;
+  ``tls=True``: TLS only, its throwaway CA and certificates in ``.tls``), stopped when it ends.
+* ``foreign_tls_files`` — :class:`cluster.workloads.services.TLSFiles` of a CA of their own
+  (a wrong CA, and a client certificate no server of ``private_redis`` trusts).
 * ``s3_endpoint`` — session-wide ``(endpoint_url, bucket)`` of a moto S3 server (importing moto
   breaks in-process vLLM engines started later: see the ``vllm_engine`` marker).
 * ``unused_port`` — a TCP port on 127.0.0.1 that nobody listened on a moment ago.
@@ -19,7 +22,7 @@ import contextlib
 
 import pytest
 
-from cluster.workloads.services import free_port, start_redis_process, start_s3
+from cluster.workloads.services import free_port, make_tls_files, start_redis_process, start_s3
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +39,12 @@ def redis_url(redis_server) -> str:
 @pytest.fixture
 def private_redis():
     with contextlib.ExitStack() as stack:
-        yield lambda *args: stack.enter_context(start_redis_process(*args))
+        yield lambda *args, **kwargs: stack.enter_context(start_redis_process(*args, **kwargs))
+
+
+@pytest.fixture
+def foreign_tls_files(tmp_path):
+    return make_tls_files(str(tmp_path), "foreign")
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,12 @@ class TiersConfig:
         "", "redis://[:password@]host:port/db or rediss:// for TLS ('' = no Redis tier)")
     redis_ttl_s: int = _f(
         0, "seconds a chunk lives in Redis (0 = no expiry)", (0, 10**9))
+    redis_tls_ca_file: str = _f(
+        "", "PEM file of the CA certificate(s) that signed the Redis server's certificate; rediss:// only ('' = the system's trust store)")
+    redis_tls_cert_file: str = _f(
+        "", "PEM client certificate for a Redis with tls-auth-clients yes; rediss:// only ('' = none; the key is redis_tls_key_file, or in this file)")
+    redis_tls_key_file: str = _f(
+        "", "PEM private key of redis_tls_cert_file; rediss:// only ('' = none or in redis_tls_cert_file)")
     s3_url: str = _f(
         "", "s3://bucket[/prefix] of the S3 tier ('' = no S3 tier)")
     s3_endpoint_url: str = _f(
@@ -59,6 +65,7 @@ class TiersConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        check_redis_tls(self)
 
     def __repr__(self) -> str:
         # URLs may carry a password (redis://:PASSWORD@...): masked in every repr (issue 19)
@@ -86,3 +93,30 @@ def check_fields(obj) -> None:
             if choices is not None and item not in choices:
                 raise ValueError(
                     f"{f.name}={value!r} is not allowed: choose one of {', '.join(map(str, choices))}")
+
+
+REDIS_TLS_FIELDS = ("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file")
+
+
+def check_redis_tls(cfg: TiersConfig) -> None:
+    """The Redis TLS files go with a ``rediss://`` URL, and a client key with its certificate.
+
+    With ``redis_url=''`` (no Redis tier) the files are unused and accepted. Only paths are
+    checked here; whether the files can be read is the tier's business when it opens
+    (:class:`tiers.redis_tier.RedisTier`).
+
+    Raises:
+        ValueError: a TLS file with a ``redis://`` URL, or ``redis_tls_key_file`` without
+            ``redis_tls_cert_file``; the message names the field (never the URL's password).
+    """
+    url = cfg.redis_url
+    for name in REDIS_TLS_FIELDS:
+        value = getattr(cfg, name)
+        if value and url and not url.lower().startswith("rediss://"):
+            raise ValueError(
+                f"{name}={value!r} needs a TLS Redis URL, but redis_url does not start with "
+                f"rediss://: use rediss://host:port/db or unset {name}")
+    if cfg.redis_tls_key_file and not cfg.redis_tls_cert_file:
+        raise ValueError(
+            f"redis_tls_key_file={cfg.redis_tls_key_file!r} is set without redis_tls_cert_file: "
+            "a client key needs its certificate")

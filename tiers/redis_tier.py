@@ -10,23 +10,29 @@
 * :meth:`RedisTier.clear` (``kvblend clear --shared``) deletes the chunk objects of one
   namespace, or all, under ``key_prefix``: ``SCAN`` with a ``MATCH`` on the prefix, only keys
   that parse as chunk keys, ``UNLINK`` in batches; never ``FLUSHDB``.
-* redis-py with hiredis (when installed) and a connection pool; password, db and TLS come
-  from the URL (``redis://:password@host:port/db``, ``rediss://`` for TLS).
+* redis-py with hiredis (when installed) and a connection pool; password and db come from
+  the URL (``redis://:password@host:port/db``). ``rediss://`` is TLS: the server's certificate
+  and host name are verified (``ssl_cert_reqs='required'``) against ``tls_ca_file`` (the
+  system's trust store when empty); ``tls_cert_file``/``tls_key_file`` are the client's
+  certificate for a server with ``tls-auth-clients yes``. The files are read by OpenSSL when a
+  connection opens; their contents are never logged.
 * A value larger than the server's ``proto-max-bulk-len`` (read once with ``CONFIG GET``;
   512 MiB by default) is refused before sending: logged with both sizes, counted in
   ``stats()['too_large']`` and ``put`` returns False.
 
 Failure behaviour: every command runs with ``socket_timeout=timeout_s`` (connect too). A
-timeout, a refused connection, a dead or restarting server or any other ``RedisError`` /
-``OSError`` is a miss (``None``/``False``) counted in ``stats()['errors']``; nothing raises
-to the caller except caller mistakes (``ValueError``) and the administrative :meth:`clear`,
-which raises ``OSError`` so that ``kvblend clear`` can report a failed clear. The pool
-reconnects by itself once the server is back.
+timeout, a refused connection, a failed TLS handshake (unknown CA, a client certificate the
+server refuses), a dead or restarting server or any other ``RedisError`` / ``OSError`` is a
+miss (``None``/``False``) counted in ``stats()['errors']``; nothing raises to the caller
+except caller mistakes (``ValueError``) and the administrative :meth:`clear`, which raises
+``OSError`` so that ``kvblend clear`` can report a failed clear. The pool reconnects by itself
+once the server is back.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -52,14 +58,23 @@ class RedisTier:
         key_prefix: prepended to every Redis key (to share one server between deployments).
         max_connections: size of the connection pool.
         name: tier name in stats.
+        tls_ca_file: PEM CA certificate(s) the server's certificate must chain to
+            (``rediss://`` only; '' = the system's trust store).
+        tls_cert_file: PEM client certificate (``rediss://`` only; '' = none), for a server
+            with ``tls-auth-clients yes``.
+        tls_key_file: PEM private key of ``tls_cert_file`` ('' = none or inside it).
 
     Raises:
-        ValueError: a malformed URL, negative ttl or non-positive timeout.
+        ValueError: a malformed URL, negative ttl or non-positive timeout; a TLS file with a
+            URL that is not ``rediss://``, a key without a certificate, or a TLS file that
+            cannot be read (the message names the parameter and the path, never a file's
+            contents or the URL's password).
     """
 
     def __init__(self, url: str, ttl_s: int = 0, timeout_s: float = 5.0, *,
                  key_prefix: str = "kvblend:", max_connections: int = 32,
-                 name: str = "redis") -> None:
+                 name: str = "redis", tls_ca_file: str = "", tls_cert_file: str = "",
+                 tls_key_file: str = "") -> None:
         import redis  # heavy-ish; only deployments with a Redis tier pay for it
 
         if ttl_s < 0:
@@ -70,10 +85,11 @@ class RedisTier:
         self.ttl_s = int(ttl_s)
         self.key_prefix = key_prefix
         self._redis_mod = redis
+        tls = _tls_kwargs(url, tls_ca_file, tls_cert_file, tls_key_file)
         try:
             self._client = redis.Redis.from_url(
                 url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                max_connections=max_connections, retry_on_timeout=False)
+                max_connections=max_connections, retry_on_timeout=False, **tls)
         except ValueError as e:  # the message may quote the URL: never its password
             raise ValueError(f"redis url {redact_url(url)!r} is malformed: {redact_text(str(e), url)}") from None
         self._max_bulk: int | None = None
@@ -83,8 +99,10 @@ class RedisTier:
     @classmethod
     def from_config(cls, cfg) -> RedisTier:
         """From a :class:`tiers.config.TiersConfig` (``redis_url``, ``redis_ttl_s``,
-        ``io_timeout_s``)."""
-        return cls(cfg.redis_url, cfg.redis_ttl_s, cfg.io_timeout_s)
+        ``io_timeout_s``, ``redis_tls_ca_file``, ``redis_tls_cert_file``, ``redis_tls_key_file``)."""
+        return cls(cfg.redis_url, cfg.redis_ttl_s, cfg.io_timeout_s,
+                   tls_ca_file=cfg.redis_tls_ca_file, tls_cert_file=cfg.redis_tls_cert_file,
+                   tls_key_file=cfg.redis_tls_key_file)
 
     def _rkey(self, key: ChunkKey) -> str:
         return f"{self.key_prefix}{key}"
@@ -282,6 +300,28 @@ class RedisTier:
     def close(self) -> None:
         """Release the pooled connections."""
         self._client.close()
+
+
+def _tls_kwargs(url: str, ca_file: str, cert_file: str, key_file: str) -> dict:
+    """redis-py's ``ssl_*`` connection arguments for a ``rediss://`` URL ({} for ``redis://``).
+
+    Raises:
+        ValueError: a TLS file with a non-``rediss://`` URL, a key without a certificate, or a
+            file that is not a readable file (named by parameter and path; never read here).
+    """
+    files = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
+    if not url.lower().startswith("rediss://"):
+        given = [k for k, v in files.items() if v]
+        if given:
+            raise ValueError(f"{given[0]}={files[given[0]]!r} needs a rediss:// (TLS) Redis URL")
+        return {}
+    if key_file and not cert_file:
+        raise ValueError(f"tls_key_file={key_file!r} is set without tls_cert_file")
+    for param, path in files.items():
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ValueError(f"{param}={path!r} is not a readable file")
+    return {"ssl_cert_reqs": "required", "ssl_ca_certs": ca_file or None,
+            "ssl_certfile": cert_file or None, "ssl_keyfile": key_file or None}
 
 
 def _glob_escape(text: str) -> str:

@@ -79,6 +79,9 @@ class FaultRig:
                     "KVBLEND_S3_REGION": "us-east-1",
                     "KVBLEND_DISK_PATH": self.disk_root, "KVBLEND_DISK_SIZE_GIB": str(DISK_GIB),
                     "KVBLEND_HOST_SIZE_GIB": "1.0"}
+        # a TLS Redis's files (none for the rig's plain one), as KVBLEND_REDIS_TLS_* variables
+        self.env.update({f"KVBLEND_{k.upper()}": v for k, v in self.redis.config_values().items()
+                         if k != "redis_url"})
 
     def _start_cluster(self) -> None:
         kvblend_cli("server", "--address", "local", env=self.env, timeout_s=600)
@@ -148,7 +151,7 @@ class FaultRig:
         dirs = [s["disk_path"] for s in self.status().values() if s.get("disk_path")]
         if len(dirs) != 1:
             raise RuntimeError(f"expected one shard disk directory, found {dirs}")
-        cfg = TiersConfig(redis_url=self.redis.url, s3_url=f"s3://{self.bucket}/{S3_PREFIX}",
+        cfg = TiersConfig(**self.redis.config_values(), s3_url=f"s3://{self.bucket}/{S3_PREFIX}",
                           s3_endpoint_url=self.s3_endpoint, s3_region="us-east-1")
         redis, s3 = shared_tiers(cfg)
         # a view of the shard's files: as large as the shard's tier, so its rebuild removes nothing

@@ -47,11 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", default=",".join(ALL_TIERS), help=f"comma list from {','.join(ALL_TIERS)}")
     p.add_argument("--chunks", type=int, default=None, help="chunks per pass (default 2 quick / 6)")
     p.add_argument("--reps", type=int, default=None, help="passes (default 3 quick / 5); best is kept")
-    p.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    p.add_argument("--redis-url", default="", help="use this Redis instead of starting one (rediss://: "
+                   "the TLS files come from the kvblend config, e.g. KVBLEND_REDIS_TLS_CA_FILE)")
+    p.add_argument("--redis-tls", action="store_true",
+                   help="without --redis-url: start the Redis with TLS only (a throwaway CA)")
     p.add_argument("--s3-url", default="", help="s3://bucket/prefix to use instead of starting moto")
     p.add_argument("--s3-endpoint-url", default="", help="endpoint for --s3-url")
     p.add_argument("--disk-path", default="", help="directory for the disk tier (default: a temp dir)")
     p.add_argument("--device", default="", help="device of the gpu tier (default cuda if present, else cpu)")
+    p.add_argument("--object-key", action="store_true",
+                   help="also measure each tier's default setting with object authentication on "
+                        "(tiers.auth; a random key in this process): rows 'auth' and 'auth_get_ratio'")
     p.add_argument("--model", default="smollm2", help="model whose real KV feeds the chunks and lz4 numbers ('random': random normal bf16)")
 
 
@@ -394,6 +400,12 @@ def _run(args, console, wanted, num_chunks, reps, device, threads) -> int:
             row = {"lz4_off": bench.run(False), "lz4_on": bench.run(True)}
             default = row["lz4_on" if defaults[name] == "lz4" else "lz4_off"]
             result["tiers"][name] = {**{k: v for k, v in default.items()}, "default_compression": defaults[name], **row}
+            if args.object_key:  # the same bench, objects encoded and read under a key
+                with _object_key():
+                    signed = bench.run(defaults[name] == "lz4")
+                result["tiers"][name]["auth"] = signed
+                result["tiers"][name]["auth_get_ratio"] = _sig(signed["get_gbps"] / default["get_gbps"])
+                result["tiers"][name]["auth_put_ratio"] = _sig(signed["put_gbps"] / default["put_gbps"])
             close = getattr(tier, "close", None)
             if close is not None:
                 close()
@@ -412,6 +424,11 @@ def _run(args, console, wanted, num_chunks, reps, device, threads) -> int:
                           f"{r['ratio']:.2f}", f"{r['layer_get_gbps']:.2f}", f"{r['put_gbps']:.2f}",
                           f"{r.get('stored_bytes_per_chunk', out.numel() * 2) / 2**20:.1f}")
     console.print(table)
+    for name, row in result["tiers"].items():
+        if "auth" in row:
+            console.print(f"{name} with an object key: get {row['auth']['get_gbps']:.2f} GB/s "
+                          f"({row['auth_get_ratio']:.2f}x of unsigned), put {row['auth']['put_gbps']:.2f} GB/s "
+                          f"({row['auth_put_ratio']:.2f}x)")
     console.print("* = the tier's default setting (lz4 below memory). "
                   f"KV: {source}. Disk page cache warm; cold numbers in the JSON.")
     lz = Table(title="lz4 per 1 MiB layer")
@@ -427,6 +444,21 @@ def _run(args, console, wanted, num_chunks, reps, device, threads) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _object_key():
+    """This process signs and checks chunk objects (tiers.auth) under a random key inside."""
+    import secrets
+
+    from tiers import auth
+
+    before = auth.current()
+    auth.configure(auth.ObjectAuth(secrets.token_bytes(32)))
+    try:
+        yield
+    finally:
+        auth.configure(before)
+
+
 def _make_tier(name, args, stack: contextlib.ExitStack, num_chunks: int, chunk_bytes: int):
     capacity = (num_chunks + 2) * (chunk_bytes + (1 << 20))
     if name == "host":
@@ -437,10 +469,16 @@ def _make_tier(name, args, stack: contextlib.ExitStack, num_chunks: int, chunk_b
         path = args.disk_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvblend-bench-"))
         return DiskTier(path, capacity)
     if name == "redis":
-        from cluster.workloads.services import start_redis
+        from cluster.workloads.services import start_redis_process
         from tiers.redis_tier import RedisTier
-        url = args.redis_url or stack.enter_context(start_redis())
-        return RedisTier(url, timeout_s=30.0, key_prefix="kvblend-bench:")
+        if args.redis_url:  # TLS files as every kvblend process gets them: from the config
+            from cluster.config import load_config
+            values = vars(load_config(overrides={"redis_url": args.redis_url}).tiers)
+        else:
+            server = stack.enter_context(start_redis_process(tls=getattr(args, "redis_tls", False)))
+            values = server.config_values()
+        tls = {f"tls_{part}_file": values.get(f"redis_tls_{part}_file", "") for part in ("ca", "cert", "key")}
+        return RedisTier(values["redis_url"], timeout_s=30.0, key_prefix="kvblend-bench:", **tls)
     if name == "s3":
         from cluster.workloads.services import start_s3
         from tiers.s3 import S3Tier

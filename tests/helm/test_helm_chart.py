@@ -128,7 +128,11 @@ def test_selectors_match_their_pods(rendered):
     head_tpl = rendered.one("RayCluster")["spec"]["headGroupSpec"]["template"]
     head_ports = {p["name"] for c in head_tpl["spec"]["containers"] for p in c.get("ports", [])}
     assert {p["targetPort"] for p in head["spec"]["ports"]} <= head_ports
-    assert {p["port"] for p in head["spec"]["ports"]} >= {8265, 6379}
+    assert {p["port"] for p in head["spec"]["ports"]} >= {6379}
+    # The dashboard has its own Service (issue 19), in front of the same head pod.
+    dashboard = rendered.one("Service", "ray-dashboard")
+    assert selected(dashboard["spec"]["selector"]) == {f"RayCluster/{RELEASE}-kvblend/head"}
+    assert {p["targetPort"] for p in dashboard["spec"]["ports"]} <= head_ports
 
 
 def test_standard_labels_everywhere(rendered):
@@ -218,7 +222,7 @@ def test_bad_values_files_are_refused(helm, bad_values_file):
 def test_notes_say_how_to_reach_dashboard_status_and_first_request(helm, tmp_path):
     proc = helm.run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
     notes = proc.stdout.split("NOTES:", 1)[1]
-    assert f"port-forward svc/{RELEASE}-kvblend-head 8265:8265" in notes
+    assert f"port-forward svc/{RELEASE}-kvblend-dashboard 8265:8265" in notes
     assert "kvblend status" in notes
     assert "/v1/chat/completions" in notes
     assert f"helm test {RELEASE}" in notes

@@ -12,7 +12,8 @@ from tests.helm._helm_chart import CHART, NAMESPACE, RELEASE
 from cluster.config import FIELD_SECTION, FIELDS, describe_fields, load_config
 
 # Fields the chart fills from its own sections rather than from kvblend.config.
-DERIVED = {"model", "ray_address", "redis_url", "s3_url", "s3_endpoint_url", "s3_region"}
+DERIVED = {"model", "ray_address", "redis_url", "s3_url", "s3_endpoint_url", "s3_region",
+           "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"}
 VALUES_SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
 
@@ -86,9 +87,11 @@ def test_kvblend_env_vars_are_config_fields(rendered):
     for where, container, _ in rendered.containers():
         names = {e["name"]: "x" for e in container.get("env", []) if e["name"].startswith("KVBLEND_")}
         list(envmod.config_values(names, FIELD_SECTION))  # raises ValueError on an unknown one
-        # KVBLEND_NODE_NAME (shards) is no config field but a known variable (cluster/env.py)
+        # KVBLEND_NODE_NAME (shards) and KVBLEND_OBJECT_KEY are no config fields but known
+        # variables (cluster/env.py)
         assert set(names) <= {"KVBLEND_CONFIG", "KVBLEND_REDIS_URL", "KVBLEND_LOCAL_FALLBACK",
-                              "KVBLEND_NODE_NAME"}, where
+                              "KVBLEND_NODE_NAME", "KVBLEND_OBJECT_KEY", "KVBLEND_REDIS_TLS_CA_FILE",
+                              "KVBLEND_REDIS_TLS_CERT_FILE", "KVBLEND_REDIS_TLS_KEY_FILE"}, where
 
 
 def test_values_schema_covers_exactly_the_config_fields():

@@ -78,6 +78,25 @@ def test_ray_token_auth_can_be_turned_off(helm):
     assert "RAY_AUTH_MODE" not in envs and "RAY_AUTH_TOKEN" not in envs
 
 
+def test_object_key_reaches_every_kvblend_process_from_a_secret(rendered):
+    """tiers.auth: vLLM pods, the Ray head and the shards sign and check chunk objects under
+    one key the chart keeps in a Secret (by reference, never a literal value)."""
+    auth = rendered.values["objectAuth"]
+    secret_name = auth["existingSecret"] or f"{RELEASE}-kvblend-object-key"
+    if not auth["existingSecret"]:
+        assert len(rendered.secrets[secret_name][auth["secretKey"]]) >= 32
+    for where, tpl in _ray_pods(rendered):
+        env = {e["name"]: e for e in tpl["spec"]["containers"][0]["env"]}
+        assert env["KVBLEND_OBJECT_KEY"] == {"name": "KVBLEND_OBJECT_KEY", "valueFrom": {
+            "secretKeyRef": {"name": secret_name, "key": auth["secretKey"]}}}, where
+
+
+def test_object_authentication_can_be_turned_off(helm):
+    rendered = helm.render(None, "objectAuth.enabled=false")
+    assert not rendered.secrets.get(f"{RELEASE}-kvblend-object-key")
+    assert "KVBLEND_OBJECT_KEY" not in [e["name"] for _, c, _ in rendered.containers() for e in c.get("env", [])]
+
+
 def test_shard_workers_advertise_the_shard_resource(rendered):
     cfg = rendered.values["kvblend"]["config"]
     cluster = rendered.one("RayCluster")

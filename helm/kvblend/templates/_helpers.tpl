@@ -58,9 +58,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* The chart's own Service in front of the Ray head (GCS 6379, dashboard 8265). */}}
+{{/* The chart's own ClusterIP Service in front of the Ray head's GCS (6379) and Ray Client
+(10001) ports: what every Ray node of the release joins through. */}}
 {{- define "kvblend.headService" -}}
 {{- printf "%s-head" (include "kvblend.fullname" .) -}}
+{{- end -}}
+
+{{/* The Service in front of the Ray head's dashboard (8265) only; head.dashboardService.type. */}}
+{{- define "kvblend.dashboardService" -}}
+{{- printf "%s-dashboard" (include "kvblend.fullname" .) -}}
 {{- end -}}
 
 {{- define "kvblend.rayAddress" -}}
@@ -69,6 +75,34 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "kvblend.rayTokenSecret" -}}
 {{- default (printf "%s-ray-token" (include "kvblend.fullname" .)) .Values.rayAuth.existingSecret -}}
+{{- end -}}
+
+{{/* A Secret holding one random value, kept across upgrades (a new value would lock running
+pods out or turn stored objects into misses) and left behind on uninstall.
+Args: dict "ctx" . "name" <Secret name> "key" <data key> "component" <label> "length" <chars>. */}}
+{{- define "kvblend.generatedSecret" -}}
+{{- $old := lookup "v1" "Secret" .ctx.Release.Namespace .name }}
+{{- $value := "" }}
+{{- if and $old $old.data (index $old.data .key) }}
+{{- $value = index $old.data .key | b64dec }}
+{{- else }}
+{{- $value = randAlphaNum .length }}
+{{- end }}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "kvblend.componentLabels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
+  annotations:
+    helm.sh/resource-policy: keep
+type: Opaque
+data:
+  {{ .key }}: {{ $value | b64enc | quote }}
+{{- end -}}
+
+{{- define "kvblend.objectKeySecret" -}}
+{{- .Values.objectAuth.existingSecret | default (printf "%s-object-key" (include "kvblend.fullname" .)) -}}
 {{- end -}}
 
 {{- define "kvblend.redisInternalName" -}}
@@ -154,6 +188,66 @@ KVBLEND_REDIS_URL, built by Kubernetes from a secretKeyRef variable). */}}
 {{- if eq .Values.redis.mode "internal" -}}password{{- else -}}{{ .Values.redis.external.passwordSecret.key }}{{- end -}}
 {{- end -}}
 
+{{/* Redis TLS files (redis.external.tlsSecret): the Secret is mounted read-only at
+kvblend.redisTlsDir in the pods that talk to Redis (vLLM, cache shards), and the
+KVBLEND_REDIS_TLS_* variables name its files there. Files, not variables: a key never sits in
+an environment or on a command line. "true" when on; refuses values that cannot work. */}}
+{{- define "kvblend.redisTlsDir" -}}/etc/kvblend-redis-tls{{- end -}}
+
+{{- define "kvblend.redisTlsOn" -}}
+{{- $e := .Values.redis.external -}}
+{{- if and (eq .Values.redis.mode "external") $e.tlsSecret.name -}}
+{{- if not $e.tls -}}
+{{- fail "redis.external.tlsSecret.name is set but redis.external.tls is false: set redis.external.tls=true (rediss://) or leave tlsSecret.name empty" -}}
+{{- end -}}
+{{- if and $e.tlsSecret.keyKey (not $e.tlsSecret.certKey) -}}
+{{- fail "redis.external.tlsSecret.keyKey is set without certKey: a client key needs its certificate" -}}
+{{- end -}}
+{{- if not (or $e.tlsSecret.caKey $e.tlsSecret.certKey) -}}
+{{- fail "redis.external.tlsSecret names no file: set caKey (the CA of the server's certificate) and/or certKey/keyKey (a client certificate)" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.redisTlsEnv" -}}
+{{- if include "kvblend.redisTlsOn" . -}}
+{{- $s := .Values.redis.external.tlsSecret -}}
+{{- $dir := include "kvblend.redisTlsDir" . -}}
+{{- range $var, $pair := dict "KVBLEND_REDIS_TLS_CA_FILE" (list $s.caKey "ca.crt") "KVBLEND_REDIS_TLS_CERT_FILE" (list $s.certKey "tls.crt") "KVBLEND_REDIS_TLS_KEY_FILE" (list $s.keyKey "tls.key") }}
+{{- if index $pair 0 }}
+- name: {{ $var }}
+  value: {{ printf "%s/%s" $dir (index $pair 1) | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvblend.redisTlsVolumeMount" -}}
+{{- if include "kvblend.redisTlsOn" . }}
+- name: redis-tls
+  mountPath: {{ include "kvblend.redisTlsDir" . }}
+  readOnly: true
+{{- end -}}
+{{- end -}}
+
+{{/* Owner root, group fsGroup (1000): readable by the kvblend user, by no one else. */}}
+{{- define "kvblend.redisTlsVolume" -}}
+{{- if include "kvblend.redisTlsOn" . -}}
+{{- $s := .Values.redis.external.tlsSecret }}
+- name: redis-tls
+  secret:
+    secretName: {{ $s.name }}
+    defaultMode: 0440
+    items:
+      {{- range $pair := list (list $s.caKey "ca.crt") (list $s.certKey "tls.crt") (list $s.keyKey "tls.key") }}
+      {{- if index $pair 0 }}
+      - {key: {{ index $pair 0 | quote }}, path: {{ index $pair 1 }}}
+      {{- end }}
+      {{- end }}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvblend.s3Url" -}}
 {{- if .Values.s3.enabled -}}
 {{- if .Values.s3.prefix -}}
@@ -185,6 +279,14 @@ Secrets only through secretKeyRef. */}}
     secretKeyRef:
       name: {{ include "kvblend.rayTokenSecret" . }}
       key: {{ .Values.rayAuth.secretKey }}
+{{- end }}
+{{- if .Values.objectAuth.enabled }}
+{{- /* tiers.auth: every chunk object is signed and checked under this key */}}
+- name: KVBLEND_OBJECT_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvblend.objectKeySecret" . }}
+      key: {{ .Values.objectAuth.secretKey }}
 {{- end }}
 {{- $pwSecret := include "kvblend.redisPasswordSecret" . }}
 {{- if $pwSecret }}
