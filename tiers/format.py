@@ -215,6 +215,16 @@ def encode_chunk(
     return b"".join([prefix12, struct.pack("<I", xxhash.xxh32_intdigest(region)), region, *payloads])
 
 
+def is_stale(head: bytes | memoryview) -> bool:
+    """Whether an object whose first bytes are ``head`` (at least :data:`PREFIX_BYTES`) is no
+    chunk object of this format version: another version (never read: its namespace digests
+    differ too), or not ours at all, or truncated. ``kvblend clear --stale`` deletes these."""
+    if len(head) < PREFIX_BYTES:
+        return True
+    magic, version, *_ = _PREFIX.unpack_from(head, 0)
+    return magic != MAGIC or version != FORMAT_VERSION
+
+
 def parse_prefix(buf: bytes | memoryview) -> int:
     """Return header_len from the 16-byte prefix. Raises FormatError."""
     if len(buf) < PREFIX_BYTES:

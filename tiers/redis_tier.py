@@ -37,6 +37,7 @@ import re
 import threading
 from collections.abc import Sequence
 
+from tiers.format import PREFIX_BYTES, is_stale
 from tiers.keys import ChunkKey
 from tiers.redact import redact_text, redact_url
 from tiers.tier import Buffer
@@ -241,12 +242,14 @@ class RedisTier:
             self._error("delete", f"{len(keys)} keys", e)
             return 0
 
-    def clear(self, namespace: str | None = None, *, batch: int = 500) -> int:
+    def clear(self, namespace: str | None = None, *, batch: int = 500, stale: bool = False) -> int:
         """Delete every chunk object (of ``namespace`` when given) under ``key_prefix``;
         returns how many were deleted. ``SCAN`` with ``MATCH <prefix>[<namespace>/]*``; only
         keys whose rest parses as a :class:`~tiers.keys.ChunkKey` are removed (``UNLINK``,
         ``DEL`` where the server lacks it), ``batch`` at a time; other keys of the server,
-        under the prefix or not, stay. Never ``FLUSHDB``.
+        under the prefix or not, stay. Never ``FLUSHDB``. ``stale``: only objects that are no
+        chunk objects of this format version (:func:`tiers.format.is_stale`; one ``GETRANGE``
+        of the prefix per key).
 
         Raises:
             ValueError: ``namespace`` is not a valid key part, or ``batch`` < 1.
@@ -260,7 +263,8 @@ class RedisTier:
         pending: list[bytes] = []
         try:
             for raw in self._client.scan_iter(match=pattern, count=max(batch, 100)):
-                if self._is_chunk_key(raw, namespace):
+                if self._is_chunk_key(raw, namespace) and (
+                        not stale or is_stale(self._client.getrange(raw, 0, PREFIX_BYTES - 1))):
                     pending.append(raw)
                 if len(pending) >= batch:
                     deleted += self._unlink(pending)

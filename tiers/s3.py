@@ -38,6 +38,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from tiers.format import PREFIX_BYTES, is_stale
 from tiers.keys import ChunkKey
 from tiers.redact import redact_url
 from tiers.tier import Buffer
@@ -301,12 +302,14 @@ class S3Tier:
                 self._fail("delete", f"{len(batch)} keys", e)
         return n
 
-    def clear(self, namespace: str | None = None, *, batch: int = 1000) -> int:
+    def clear(self, namespace: str | None = None, *, batch: int = 1000, stale: bool = False) -> int:
         """Delete every chunk object (of ``namespace`` when given) under this tier's prefix;
         returns how many were deleted. Lists ``<prefix>[<namespace>/]`` with paginated
         ``ListObjectsV2`` and removes only keys whose rest parses as a
         :class:`~tiers.keys.ChunkKey` with ``DeleteObjects``, ``batch`` (at most 1000) keys a
-        request; other objects of the bucket stay.
+        request; other objects of the bucket stay. ``stale``: only objects that are no chunk
+        objects of this format version (:func:`tiers.format.is_stale`; one ranged GET of the
+        prefix per object).
 
         Raises:
             ValueError: ``namespace`` is not a valid key part, or ``batch`` not in 1..1000.
@@ -336,7 +339,10 @@ class S3Tier:
                 Bucket=self.bucket, Prefix=list_prefix, PaginationConfig={"PageSize": batch})
             for page in pages:
                 for obj in page.get("Contents") or []:
-                    if self._is_chunk_key(obj["Key"], namespace):
+                    if self._is_chunk_key(obj["Key"], namespace) and (
+                            not stale or is_stale(self._client.get_object(
+                                Bucket=self.bucket, Key=obj["Key"],
+                                Range=f"bytes=0-{PREFIX_BYTES - 1}")["Body"].read())):
                         pending.append(obj["Key"])
                     if len(pending) >= batch:
                         flush()

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from tiers.format import ChunkHeader, FormatError
+from tiers.format import PREFIX_BYTES, ChunkHeader, FormatError, is_stale
 from tiers.keys import ChunkKey
 from tiers.lower import recode, shared_tiers
 from tiers.reader import ReadCounters, read_header, read_layers, validate_object
@@ -468,12 +468,14 @@ class TierStack:
         self._forget(keys)
         return sum(present)
 
-    def clear(self, namespace: str | None = None) -> int:
-        """Delete every chunk (of ``namespace`` when given) from the tiers that list their
-        keys (host, disk; not Redis or S3); returns how many were deleted."""
+    def clear(self, namespace: str | None = None, *, stale: bool = False) -> int:
+        """Delete every chunk (of ``namespace``; ``stale``: only :func:`tiers.format.is_stale`
+        objects) from the tiers that list keys (host, disk; not Redis/S3); returns how many."""
         n = 0
         for tier in (t for t in self.tiers if hasattr(t, "keys")):
             keys = [k for k in tier.keys() if namespace is None or k.namespace == namespace]
+            if stale:
+                keys = [k for k in keys if is_stale((tier.get_ranges(k, [(0, PREFIX_BYTES)]) or [b""])[0])]
             n += self._delete_from(tier, keys)
             self._forget(keys)
         return n

@@ -465,13 +465,14 @@ class CacheClient:
         results = self.router.call(groups, "delete", lambda idx: ([str(keys[i]) for i in idx],))
         return int(sum(results.values()))
 
-    def clear(self, namespace: str | None = None) -> int:
-        """Delete every cached chunk (of ``namespace`` when given) on every shard; returns
-        the number deleted (shards that do not answer are skipped)."""
+    def clear(self, namespace: str | None = None, stale: bool = False) -> int:
+        """Delete every cached chunk (of ``namespace`` when given; ``stale``: only objects of
+        another chunk format version) on every shard; returns the number deleted (shards that
+        do not answer are skipped)."""
         with self._lock:
             self._meta.clear()
             self._objects.clear()
-        return int(sum(self.router.call_all("clear", namespace).values()))
+        return int(sum(self.router.call_all("clear", namespace, stale).values()))
 
     def shard_stats(self) -> dict[str, dict]:
         """``{shard name: CacheShard.stats()}`` of every shard that answers within

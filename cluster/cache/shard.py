@@ -454,13 +454,13 @@ class CacheShard:
             self.lower_stack.delete(parsed)  # a failing tier is logged, never raised
         return sum(present)
 
-    def clear(self, namespace: str | None = None) -> int:
-        """Delete every chunk (of ``namespace`` when given) from host and disk, and from the
-        shared tiers when they can list keys; returns the number of keys deleted."""
-        n = self.host.delete([k for k in self.host.keys()
-                              if namespace is None or k.namespace == namespace])
+    def clear(self, namespace: str | None = None, stale: bool = False) -> int:
+        """Delete every chunk (of ``namespace`` when given; ``stale``: only objects of another
+        format version, never in host memory) from host and disk; returns how many."""
+        n = 0 if stale else self.host.delete([k for k in self.host.keys()
+                                              if namespace is None or k.namespace == namespace])
         if self.lower_stack is not None:
-            n += self.lower_stack.clear(namespace)  # tiers that list keys: disk, not Redis/S3
+            n += self.lower_stack.clear(namespace, stale=stale)  # disk, not Redis/S3
         with self._lock:
             self._prefetched.clear()
         return n

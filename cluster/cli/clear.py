@@ -1,4 +1,4 @@
-"""``kvblend clear [--namespace NS] [--shared]``: delete cached chunks.
+"""``kvblend clear [--namespace NS] [--shared] [--stale]``: delete cached chunks.
 
 * Always: host memory and disk of every running shard (through Ray).
 * With ``--shared``: also the chunk objects in the shared tiers the config names (Redis under
@@ -11,7 +11,9 @@
 * Without ``--shared``, when shared tiers are configured, one line says they were left alone.
 
 ``--namespace`` is a chunk-namespace digest (16 hex chars, the first part of a chunk key);
-without it every namespace is deleted. Prints what was deleted per tier. Exit status: 0 when
+without it every namespace is deleted. ``--stale`` deletes only objects that are no chunk
+objects of this format version (written before an upgrade that moved it, never read again:
+:func:`tiers.format.is_stale`; one read of each object's 16-byte prefix). Prints what was deleted per tier. Exit status: 0 when
 everything asked for was cleared; 1 when a shared tier failed, or nothing could be cleared
 (no shard reachable and, without ``--shared``, nothing else to do).
 """
@@ -32,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also delete the chunks in the shared tiers of the config (Redis under its key "
                         "prefix, the S3 bucket prefix), which every deployment using them shares; "
                         "works without running shards or Ray. Without it Redis and S3 are left alone")
+    p.add_argument("--stale", action="store_true",
+                   help="only objects of another chunk format version (written before an upgrade; "
+                        "never read again), keeping every current chunk")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides=connection_overrides(args))
     if cfg.cluster.ray_address == "local":
         raise ValueError("--address local starts a new empty Ray; give the running cluster's host:port")
-    what = f" of namespace {args.namespace}" if args.namespace else ""
-    shards_ok = _clear_shards(cfg, args.namespace, what, quiet_unreachable=args.shared)
+    what = (f" of namespace {args.namespace}" if args.namespace else "") + (" of another format version"
+                                                                            if args.stale else "")
+    shards_ok = _clear_shards(cfg, args.namespace, what, args.shared, args.stale)
     configured = [name for name, url in (("redis", cfg.tiers.redis_url), ("s3", cfg.tiers.s3_url)) if url]
     if not args.shared:
         if configured:
@@ -53,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if not configured:
         print("no shared tiers configured (redis_url, s3_url): nothing more to clear")
         return 0 if shards_ok else 1
-    return 0 if _clear_shared(cfg, args.namespace, what, configured) else 1
+    return 0 if _clear_shared(cfg, args.namespace, what, configured, args.stale) else 1
 
 
-def _clear_shards(cfg, namespace: str | None, what: str, quiet_unreachable: bool) -> bool:
+def _clear_shards(cfg, namespace: str | None, what: str, quiet_unreachable: bool, stale: bool) -> bool:
     """Host and disk of every running shard; False when none was reachable."""
     from cluster.cache.connect import connect
 
@@ -77,14 +83,14 @@ def _clear_shards(cfg, namespace: str | None, what: str, quiet_unreachable: bool
 
     client = CacheClient(cfg, namespace)
     try:
-        n = client.clear(namespace)
+        n = client.clear(namespace, stale)
     finally:
         client.close()
     print(f"deleted {n} chunk(s){what} from the shards' host/disk tiers")
     return True
 
 
-def _clear_shared(cfg, namespace: str | None, what: str, configured: list[str]) -> bool:
+def _clear_shared(cfg, namespace: str | None, what: str, configured: list[str], stale: bool) -> bool:
     """Clear each configured shared tier directly; False when any could not be cleared."""
     from tiers.lower import shared_tiers
 
@@ -98,7 +104,7 @@ def _clear_shared(cfg, namespace: str | None, what: str, configured: list[str]) 
     for tier in tiers:
         where = _describe(tier)
         try:
-            n = tier.clear(namespace)
+            n = tier.clear(namespace, stale=stale)
         except OSError as e:
             print(f"{tier.name} ({where}): {e}", file=sys.stderr)
             ok = False

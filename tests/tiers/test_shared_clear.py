@@ -107,3 +107,48 @@ def test_shared_tiers_do_not_list_keys():
     """Shards clear tiers that list keys (``TierStack.clear``); Redis and S3 must not be among
     them, or every shard would clear them on a plain ``kvblend clear``."""
     assert not hasattr(RedisTier, "keys") and not hasattr(S3Tier, "keys")
+
+
+# -- --stale: only objects of another chunk format version (or no chunk object at all) --------
+def _version_1(obj: bytes) -> bytes:
+    """``obj`` as the previous chunk format wrote it: the prefix's version field is 1."""
+    import struct
+
+    return obj[:4] + struct.pack("<H", 1) + obj[6:]
+
+
+def _fill_mixed(tier):
+    """Two current objects, two of version 1, one that is no chunk object; returns
+    ``(current keys, stale keys)``."""
+    kv = make_kv()
+    current = [make_key(300 + i, namespace=NS_A) for i in range(2)]
+    stale = [make_key(400 + i, namespace=NS_A) for i in range(3)]
+    for k in current:
+        assert tier.put(k, make_object(k, kv))
+    for k in stale[:2]:
+        assert tier.put(k, _version_1(make_object(k, kv)))
+    assert tier.put(stale[2], b"not a chunk object at all")
+    return current, stale
+
+
+@pytest.mark.parametrize("kind", ["redis", "s3", "disk"])
+def test_clear_stale_deletes_only_other_versions_and_keeps_current_chunks(kind, private_redis, s3_endpoint, tmp_path):
+    from tiers.disk import DiskTier
+    from tiers.host import HostTier
+    from tiers.stack import TierStack
+
+    if kind == "redis":
+        tier = RedisTier(private_redis().url)
+        clear = tier.clear
+    elif kind == "s3":
+        endpoint, bucket = s3_endpoint
+        tier = S3Tier(f"s3://{bucket}/stale{uuid.uuid4().hex[:8]}", endpoint_url=endpoint, region="us-east-1")
+        clear = tier.clear
+    else:  # a shard's stack: host memory above its disk directory
+        tier = DiskTier(str(tmp_path), 1 << 20, fsync=False)
+        clear = TierStack([HostTier(1 << 20), tier], write_down=()).clear
+    current, stale = _fill_mixed(tier)
+    assert clear(stale=True) == 3
+    assert tier.contains(current) == [True, True] and tier.contains(stale) == [False] * 3
+    assert clear(stale=True) == 0
+    assert clear() == 2  # without --stale: everything

@@ -82,6 +82,25 @@ def test_clear_shared_deletes_the_namespace_from_redis_and_s3_without_shards(sha
     assert h.raw_redis.dbsize() == 1
 
 
+def test_clear_stale_shared_deletes_only_objects_of_another_format_version(shared, capsys):
+    import struct
+
+    h = shared
+    old = [make_key(500 + i, namespace=NS_A) for i in range(2)]  # what the previous format wrote
+    for tier in (h.redis, h.s3):
+        for k in old:
+            obj = make_object(k, make_kv())
+            assert tier.put(k, obj[:4] + struct.pack("<H", 1) + obj[6:])
+    assert main([*h.argv, "--stale", "--shared"]) == 0
+    out = capsys.readouterr().out
+    assert "redis (key prefix 'kvblend:'): deleted 2 chunk object(s) of another format version" in out
+    assert "deleted 2 chunk object(s) of another format version" in out.split("s3 (", 1)[1]
+    for tier in (h.redis, h.s3):
+        assert tier.contains(old) == [False] * 2
+        assert tier.contains(h.a + h.b) == [True] * 5  # every current chunk stays
+    _unrelated_kept(h)
+
+
 def test_clear_without_shared_leaves_redis_and_s3_alone(shared, capsys):
     h = shared
     assert main([*h.argv, "--namespace", NS_A]) == 1  # no shards: nothing was cleared
