@@ -20,6 +20,7 @@ relative; we allow ``rtol=1e-4, atol=1e-4`` for KV and logits of tiny models (va
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import TYPE_CHECKING
@@ -259,6 +260,47 @@ def returns_within(fn, *args, hang_s: float = HANG_S, what: str = ""):
     if err:
         raise err[0]
     return out[0] if out else None
+
+
+#: Object keys (tiers.auth) of the authentication tests: two, to sign under one and read under the other.
+OBJECT_KEY_A = "kvblend-test-object-key-A-0123456789"
+OBJECT_KEY_B = "kvblend-test-object-key-B-0123456789"
+
+
+@contextlib.contextmanager
+def object_keys():
+    """Yields ``use(key)``: this process signs and checks chunk objects under ``key`` (a str;
+    None: no key) from then on; the authenticator from before is restored on exit."""
+    from tiers import auth
+
+    before = auth.current()
+    try:
+        yield lambda key: auth.configure(None if key is None else auth.ObjectAuth(key.encode()))
+    finally:
+        auth.configure(before)
+
+
+@contextlib.contextmanager
+def redis_shards(cluster_address: str, root, env_vars: dict | None = None, **overrides):
+    """Shards (one per node of the test Ray cluster at ``cluster_address``) over a fresh
+    redis-server, no disk tier, in a namespace of their own; yields ``(config, shard names,
+    redis process)`` and stops both on exit. ``env_vars``: the shards' environment."""
+    import uuid
+
+    from cluster.cache.lifecycle import start_shards, stop_shards
+    from cluster.config import load_config
+    from cluster.workloads.services import start_redis_process
+
+    with start_redis_process() as redis:
+        cfg = load_config(environ={}, overrides={
+            "ray_address": cluster_address, "ray_namespace": f"kvblend-redis-{uuid.uuid4().hex[:6]}",
+            "cache_dir": str(root), "host_size_gib": 0.004, "disk_size_gib": 0.0,
+            "redis_url": redis.url, "io_timeout_s": 0.5, "call_timeout_s": 10.0, "load_timeout_s": 10.0,
+            **overrides})
+        try:
+            yield cfg, start_shards(cfg, env_vars=env_vars), redis
+        finally:
+            stop_shards(cfg.cluster.ray_namespace)
 
 
 def ray_free_shard(monkeypatch, tmp_path, cfg):

@@ -57,7 +57,7 @@ from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
 from cluster.vllm.options import request_params
-from cluster.vllm.tenant import request_tenant
+from cluster.vllm.tenant import prefix_only, request_tenant
 from tiers.keys import ChunkKey, prefix_keys, segment_key
 
 if TYPE_CHECKING:
@@ -247,7 +247,8 @@ class KVBlendScheduler:
         load = bool(params.get("kvblend_load", True))
         blend_cfg = self._blend_config(params)
         spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator) if token_ids else []
-        blendable = self.config.cluster.engine_type == "blend" and self.tp_size == 1
+        blendable = (self.config.cluster.engine_type == "blend" and self.tp_size == 1
+                     and not prefix_only(request, self._warn))
         standalone: list[tuple[int, int]] = []  # spans stored as chunks besides the plan's segments
         if blendable and token_ids and self.config.blend.enable_blending:
             specials = special_tokens_around(self.tokenizer)

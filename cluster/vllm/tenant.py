@@ -13,6 +13,11 @@ request, so requests of different tenants never share a chunk.
   ``lora_path``, computed once per file identity — path, size, mtime — and cached): an adapter
   retrained under the same name gets new keys. Adapters are small (MiBs), so hashing them
   whole costs little and nothing is sampled.
+  A request under an adapter takes the prefix path only (:func:`prefix_only`): its prefix
+  chunks are gathered from vLLM's paged cache, which vLLM's forward filled with the adapter
+  applied, but a blend segment's canonical KV comes from our own prefill of the segment
+  (``cluster.vllm.worker``), which runs the base layers outside vLLM's LoRA batch mapping (it
+  failed with a shape error; worse, with a matching shape it would store another adapter's KV).
 - ``cache_salt``: the salt itself (it never reaches a log line or a metric label).
 - Multimodal inputs and prompt embeddings: not cached at all (their KV depends on inputs the
   token ids do not show): :func:`request_tenant` returns a reason; the scheduler counts it
@@ -56,6 +61,17 @@ def request_tenant(request: Any) -> tuple[str, str | None]:
     if salt:
         parts.append(f"salt={len(str(salt))}:{salt}")
     return ";".join(parts), None
+
+
+def prefix_only(request: Any, warn) -> bool:
+    """True for a request under a LoRA adapter: no blend segments are looked up or stored for
+    it (see the module docstring), prefix chunks are; ``warn(key, fmt, *args)`` says so once
+    in the log. Where: the scheduler, per request."""
+    if getattr(request, "lora_request", None) is None:
+        return False
+    warn("lora-prefix-only", "kvblend: requests under a LoRA adapter reuse prefix chunks only "
+         "(blending under an adapter is not supported yet)")
+    return True
 
 
 def adapter_fingerprint(path: str) -> str:

@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import make_key, make_kv, make_object
+from tests.factories import OBJECT_KEY_A, OBJECT_KEY_B, make_key, make_kv, make_object, object_keys
 from tiers import auth
 from tiers.format import parse_header
 
-KEY_A = "kvblend-test-object-key-A-0123456789"
-KEY_B = "kvblend-test-object-key-B-0123456789"
+KEY_A, KEY_B = OBJECT_KEY_A, OBJECT_KEY_B
 
 
 @pytest.fixture
 def use_key():
-    """Restores this process's authenticator after the test."""
-    before = auth.current()
-    yield lambda k: auth.configure(None if k is None else auth.ObjectAuth(k.encode()))
-    auth.configure(before)
+    """``use_key(k)``: this process signs and checks under ``k`` (None: no key) until the test ends."""
+    with object_keys() as use:
+        yield use
 
 
 def test_the_key_comes_from_the_environment_or_a_file_is_checked_and_never_shown(use_key, tmp_path):

@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import xxhash
 
-from tests.factories import as_layer, layer_buffers, make_key, make_kv, make_object
+from tests.factories import (
+    OBJECT_KEY_A,
+    OBJECT_KEY_B,
+    as_layer,
+    layer_buffers,
+    make_key,
+    make_kv,
+    make_object,
+    object_keys,
+)
 from tiers import auth
 from tiers.disk import DiskTier
 from tiers.format import (
@@ -25,16 +34,14 @@ from tiers.host import HostTier
 from tiers.reader import ReadCounters, read_layers, validate_object
 from tiers.stack import TierStack
 
-KEY_A = "kvblend-test-object-key-A-0123456789"
-KEY_B = "kvblend-test-object-key-B-0123456789"
+KEY_A, KEY_B = OBJECT_KEY_A, OBJECT_KEY_B
 
 
 @pytest.fixture
 def use_key():
     """``use_key(k)``: this process signs and checks under ``k`` (None: no key) until the test ends."""
-    before = auth.current()
-    yield lambda k: auth.configure(None if k is None else auth.ObjectAuth(k.encode()))
-    auth.configure(before)
+    with object_keys() as use:
+        yield use
 
 
 def _read_all(tier, key, kv, counters=None):

@@ -145,3 +145,34 @@ def test_host_layers_stage_the_mapped_objects_bit_exact(client):
                 assert torch.equal(t, kv[layer])
     finally:
         src.close()
+
+
+def test_in_place_writes_to_fetched_layers_never_change_the_stored_chunk(client, kvconfig):
+    """Ray hands out numpy arrays from its object store zero-copy (#20: Ray zero-copy tensors).
+    The engine writes into the KV it gets (K is re-rotated in place): a fetched layer is a
+    copy, and the mapped object's own views are read-only, so the next reader, in this process
+    or another, gets the chunk as stored."""
+    import numpy as np
+
+    from cluster.cache.client import CacheClient
+
+    key, kv = make_key(750), shard_kv(750)
+    client.put(key, kv)
+    assert client.flush(30)
+    assert client.lookup([key])[0] is not None
+    for layer in range(4):
+        (got,) = client.fetch_layer([key], layer).result(30)
+        got.add_(1.0)  # what a blend does to K when it re-rotates it
+        got.view(torch.uint8).fill_(0xFF)
+    assert all(torch.equal(client.fetch_layer([key], i).result(30)[0], kv[i]) for i in range(4))
+    layers = client.host_layers()  # what a CUDA worker stages from: the mapped object itself
+    views = layers.layer_views(key, layers.headers([key])[0])
+    assert views is not None and all(not np.asarray(v).flags.writeable for v in views)
+    with pytest.raises(ValueError):
+        np.asarray(views[0])[:1] = 0
+    other = CacheClient(kvconfig, NAMESPACE)
+    try:
+        assert other.lookup([key])[0] is not None
+        assert all(torch.equal(other.fetch_layer([key], i).result(30)[0], kv[i]) for i in range(4))
+    finally:
+        other.close()

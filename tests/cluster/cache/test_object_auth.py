@@ -7,53 +7,47 @@ for the client's direct read; the same chunk put through the cache is a bit-exac
 from __future__ import annotations
 
 import math
-import uuid
 
 import pytest
 import torch
 
-from tests.factories import NAMESPACE, make_key, make_object, shard_kv
-from tiers import auth
+from tests.factories import (
+    NAMESPACE,
+    OBJECT_KEY_A,
+    make_key,
+    make_object,
+    object_keys,
+    redis_shards,
+    shard_kv,
+)
 
 pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
-
-OBJECT_KEY = "kvblend-test-object-key-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def signed_setup(ray_cluster, tmp_path_factory):
-    from cluster.cache.lifecycle import start_shards, stop_shards
-    from cluster.config import load_config
-    from cluster.workloads.services import start_redis_process
-
     cluster, _ = ray_cluster
-    root = tmp_path_factory.mktemp("signed-shards")
-    with start_redis_process() as redis:
-        cfg = load_config(environ={}, overrides={
-            "ray_address": cluster.address, "ray_namespace": f"kvblend-auth-{uuid.uuid4().hex[:6]}",
-            "cache_dir": str(root), "host_size_gib": 0.004, "disk_size_gib": 0.0,
-            "redis_url": redis.url, "io_timeout_s": 0.5, "call_timeout_s": 10.0, "load_timeout_s": 10.0,
-            "metrics": False})
-        try:
-            names = start_shards(cfg, env_vars={"KVBLEND_OBJECT_KEY": OBJECT_KEY})
-            assert len(names) == 2
-            yield cfg, redis
-        finally:
-            stop_shards(cfg.cluster.ray_namespace)
+    with redis_shards(cluster.address, tmp_path_factory.mktemp("signed-shards"),
+                      env_vars={"KVBLEND_OBJECT_KEY": OBJECT_KEY_A}, metrics=False) as (cfg, names, redis):
+        assert len(names) == 2
+        yield cfg, redis
 
 
 def test_a_planted_redis_object_without_a_mac_is_a_miss_and_a_signed_one_hits(signed_setup):
+    with object_keys() as use_key:
+        _planted_then_signed(*signed_setup, use_key)
+
+
+def _planted_then_signed(cfg, redis, use_key) -> None:
     from cluster.cache.client import CacheClient
     from tiers.redis_tier import RedisTier
 
-    cfg, redis = signed_setup
     planted_key, kv = make_key(9700), shard_kv(9700)
-    before = auth.current()
-    auth.configure(None)
+    use_key(None)
     planted = make_object(planted_key, kv, compress=True)  # valid checksums, no MAC
     assert RedisTier(redis.url).put(planted_key, planted)
 
-    auth.configure(auth.ObjectAuth(OBJECT_KEY.encode()))  # this process is a kvblend worker too
+    use_key(OBJECT_KEY_A)  # this process is a kvblend worker too
     client = CacheClient(cfg, NAMESPACE)
     try:
         assert client.lookup([planted_key]) == [None]  # the owner shard refused it
@@ -64,12 +58,12 @@ def test_a_planted_redis_object_without_a_mac_is_a_miss_and_a_signed_one_hits(si
         reader.router.suspect.update({name: math.inf for name in stats})
         assert reader.lookup([planted_key]) == [None]
         reader.close()
-        auth.configure(None)  # control: a process without a key takes it from Redis
+        use_key(None)  # control: a process without a key takes it from Redis
         reader = CacheClient(cfg, NAMESPACE)
         reader.router.suspect.update({name: math.inf for name in stats})
         assert reader.lookup([planted_key])[0].tier == "redis"
         reader.close()
-        auth.configure(auth.ObjectAuth(OBJECT_KEY.encode()))
+        use_key(OBJECT_KEY_A)
 
         signed_key = make_key(9701)
         client.put(signed_key, kv)
@@ -80,4 +74,3 @@ def test_a_planted_redis_object_without_a_mac_is_a_miss_and_a_signed_one_hits(si
         assert stored is not None and stored[6] & 1
     finally:
         client.close()
-        auth.configure(before)

@@ -9,28 +9,17 @@ import uuid
 import pytest
 import torch
 
-from tests.factories import NAMESPACE, make_key, shard_kv
+from tests.factories import NAMESPACE, make_key, redis_shards, shard_kv
 
 pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def redis_setup(ray_cluster, tmp_path_factory):
-    from cluster.cache.lifecycle import start_shards, stop_shards
-    from cluster.config import load_config
-    from cluster.workloads.services import start_redis_process
-
     cluster, _ = ray_cluster
-    root = tmp_path_factory.mktemp("redis-shards")
-    with start_redis_process() as redis:
-        cfg = load_config(environ={}, overrides={
-            "ray_address": cluster.address, "ray_namespace": f"kvblend-redis-{uuid.uuid4().hex[:6]}",
-            "cache_dir": str(root), "host_size_gib": 0.004, "disk_size_gib": 0.0,
-            "redis_url": redis.url, "io_timeout_s": 0.5, "call_timeout_s": 10.0, "load_timeout_s": 10.0})
-        names = start_shards(cfg)
+    with redis_shards(cluster.address, tmp_path_factory.mktemp("redis-shards")) as (cfg, names, redis):
         assert len(names) == 2
         yield cfg, names, redis
-        stop_shards(cfg.cluster.ray_namespace)
 
 
 def test_chunk_re_encoded_below_memory_is_sliced_with_its_own_header(redis_setup):

@@ -102,19 +102,28 @@ def test_tenant_names_the_adapter_its_weights_and_the_salt(tmp_path):
     assert request_tenant(Req("r", [1], lora_request=gone)) == ("", "an unreadable LoRA adapter")
 
 
-def test_chunks_stored_under_one_adapter_never_serve_another(setup, tokenizer, tmp_path):
+def test_chunks_stored_under_one_adapter_never_serve_another(setup, tokenizer, tmp_path, caplog):
+    """A request under an adapter takes the prefix path (its blend segments would need the
+    adapter in our own prefill, tenant.prefix_only): its prefix chunks, keyed by its tenant,
+    hit for that adapter only; segments stored under the adapter's keys are not even looked up."""
     sched, client, ids, events = setup
     a, b = lora(tmp_path, "a", b"\x01" * 4096), lora(tmp_path, "b", b"\x02" * 4096)
-    store_as(client, tokenizer, request_tenant(Req("x", ids, lora_request=a))[0])
-    assert sched.get_num_new_matched_tokens(Req("under-a", ids, lora_request=a), 0)[0] > 0
+    tenant_a, tenant_b = (request_tenant(Req("x", ids, lora_request=x))[0] for x in (a, b))
+    store_as(client, tokenizer, tenant_a)
+    for key in prefix_keys(NAMESPACE, ids, 32, tenant_a):
+        client.put(key, make_kv(num_layers=1, num_tokens=32, num_kv_heads=1, head_dim=2))
+    full_chunks = (len(ids) - 1) // 32
+    assert sched.get_num_new_matched_tokens(Req("under-a", ids, lora_request=a), 0)[0] == 32 * full_chunks
     assert sched.get_num_new_matched_tokens(Req("under-b", ids, lora_request=b), 0) == (0, False)
     assert sched.get_num_new_matched_tokens(Req("base", ids), 0) == (0, False)
-    hits = {e["request_id"]: e["num_hit_segments"] for e in read_events(events) if e["event"] == "lookup"}
-    assert hits == {"under-a": 2, "under-b": 0, "base": 0}
-    # What b misses it stores under b's keys, never under a's or the base model's.
-    stored = [k for k, _ in sched._requests["under-b"].store_segments]
-    tenant_b = request_tenant(Req("x", ids, lora_request=b))[0]
-    assert stored == [segment_key(NAMESPACE, chunk_token_ids(tokenizer, p), tenant_b) for p in PASSAGES]
+    lookups = {e["request_id"]: e for e in read_events(events) if e["event"] == "lookup"}
+    assert lookups["under-a"]["path"] == "prefix" and "num_prefix_chunks" in lookups["under-b"]  # the prefix path
+    assert lookups["under-a"]["num_prefix_hits"] == full_chunks and lookups["under-b"]["num_prefix_hits"] == 0
+    assert lookups["base"]["num_hit_segments"] == 0  # the base model blends, and a's segments are not its
+    # What b misses it stores under b's prefix keys, never under a's or the base model's.
+    stored = [k for k, _, _ in sched._requests["under-b"].store_prefix]
+    assert stored and set(stored) <= set(prefix_keys(NAMESPACE, ids, 32, tenant_b))
+    assert sum("LoRA adapter reuse prefix chunks only" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_cache_salt_separates_requests_in_both_paths(setup, tokenizer):
