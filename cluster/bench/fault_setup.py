@@ -1,8 +1,8 @@
 """Where ``kvblend bench faults`` puts each row's chunks, and the fault each row applies.
 
 :func:`ingest` stores passages the way ``kvblend ingest`` does; :func:`place` then (while the
-shards are stopped, so the disk index is rebuilt without what it removes) leaves each row's
-chunks only in the tiers its fault is about; :func:`fault` applies a row's fault for the
+shards are stopped, so the disk index is rebuilt from what it leaves) completes every tier's
+copies and leaves each row's chunks only in the tiers its fault is about; :func:`fault` applies a row's fault for the
 duration of a ``with`` block and lifts it after, also on an error. The injectors are
 :mod:`cluster.workloads.faults`.
 """
@@ -64,10 +64,28 @@ def keys_of(tokenizer, digest: str, passages: list[str]) -> list:
 
 
 def place(tiers: dict, keys_by_row: dict[str, list]) -> dict[str, int]:
-    """Remove each row's chunks from the tiers of :data:`REMOVED_BEFORE_RESTART` (``tiers``:
-    :meth:`cluster.bench.fault_rig.FaultRig.direct_tiers`). Returns objects removed per tier."""
+    """Give every tier a copy of each row's chunks, then remove them from the tiers of
+    :data:`REMOVED_BEFORE_RESTART` (``tiers``: :meth:`cluster.bench.fault_rig.FaultRig.direct_tiers`).
+    The copies: a write-through the ingest lost (an I/O timeout on a loaded machine) would
+    leave a row's fault fewer copies to act on than it promises. Returns objects removed per tier."""
     from cluster.workloads.faults import remove_object
+    from tiers.format import FormatError
+    from tiers.reader import validate_object
 
+    copied: dict[str, int] = {}
+    for key in (k for keys in keys_by_row.values() for k in keys):
+        held = {name: tier.get(key) for name, tier in tiers.items()}
+        valid = None
+        for obj in (o for o in held.values() if o is not None):
+            with contextlib.suppress(FormatError):
+                validate_object(obj, key)
+                valid = bytes(obj)
+                break
+        for name, obj in held.items():
+            if valid is not None and obj is None and tiers[name].put(key, valid):
+                copied[name] = copied.get(name, 0) + 1
+    if copied:
+        log.warning("bench faults: copied chunks the ingest did not write through: %s", copied)
     removed: dict[str, int] = {}
     for row, names in REMOVED_BEFORE_RESTART.items():
         for key in keys_by_row.get(row, []):
