@@ -273,11 +273,8 @@ def object_keys():
     None: no key) from then on; the authenticator from before is restored on exit."""
     from tiers import auth
 
-    before = auth.current()
-    try:
+    with auth.using(auth.current()):
         yield lambda key: auth.configure(None if key is None else auth.ObjectAuth(key.encode()))
-    finally:
-        auth.configure(before)
 
 
 @contextlib.contextmanager

@@ -106,17 +106,28 @@ def check_redis_tls(cfg: TiersConfig) -> None:
     (:class:`tiers.redis_tier.RedisTier`).
 
     Raises:
-        ValueError: a TLS file with a ``redis://`` URL, or ``redis_tls_key_file`` without
-            ``redis_tls_cert_file``; the message names the field (never the URL's password).
+        ValueError: as :func:`check_tls_pairing`, naming the ``redis_tls_*`` field.
     """
-    url = cfg.redis_url
-    for name in REDIS_TLS_FIELDS:
-        value = getattr(cfg, name)
-        if value and url and not url.lower().startswith("rediss://"):
-            raise ValueError(
-                f"{name}={value!r} needs a TLS Redis URL, but redis_url does not start with "
-                f"rediss://: use rediss://host:port/db or unset {name}")
-    if cfg.redis_tls_key_file and not cfg.redis_tls_cert_file:
-        raise ValueError(
-            f"redis_tls_key_file={cfg.redis_tls_key_file!r} is set without redis_tls_cert_file: "
-            "a client key needs its certificate")
+    if cfg.redis_url:
+        check_tls_pairing(cfg.redis_url, cfg.redis_tls_ca_file, cfg.redis_tls_cert_file,
+                          cfg.redis_tls_key_file, prefix="redis_")
+
+
+def check_tls_pairing(url: str, ca_file: str, cert_file: str, key_file: str, prefix: str = "") -> None:
+    """TLS files only with a ``rediss://`` URL, and a client key only with its certificate;
+    the config (``prefix='redis_'``) and :class:`tiers.redis_tier.RedisTier` (``''``) both ask.
+
+    Raises:
+        ValueError: naming ``<prefix>tls_*_file`` and its path (never the URL's password).
+    """
+    files = {f"{prefix}tls_ca_file": ca_file, f"{prefix}tls_cert_file": cert_file,
+             f"{prefix}tls_key_file": key_file}
+    if not url.lower().startswith("rediss://"):
+        for name, value in files.items():
+            if value:
+                raise ValueError(
+                    f"{name}={value!r} needs a TLS Redis URL, but the Redis URL does not start "
+                    f"with rediss://: use rediss://host:port/db or unset {name}")
+    if key_file and not cert_file:
+        raise ValueError(f"{prefix}tls_key_file={key_file!r} is set without {prefix}tls_cert_file: "
+                         "a client key needs its certificate")

@@ -37,6 +37,7 @@ import re
 import threading
 from collections.abc import Sequence
 
+from tiers.config import check_tls_pairing
 from tiers.format import PREFIX_BYTES, is_stale
 from tiers.keys import ChunkKey
 from tiers.redact import redact_text, redact_url
@@ -313,14 +314,10 @@ def _tls_kwargs(url: str, ca_file: str, cert_file: str, key_file: str) -> dict:
         ValueError: a TLS file with a non-``rediss://`` URL, a key without a certificate, or a
             file that is not a readable file (named by parameter and path; never read here).
     """
-    files = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
+    check_tls_pairing(url, ca_file, cert_file, key_file)
     if not url.lower().startswith("rediss://"):
-        given = [k for k, v in files.items() if v]
-        if given:
-            raise ValueError(f"{given[0]}={files[given[0]]!r} needs a rediss:// (TLS) Redis URL")
         return {}
-    if key_file and not cert_file:
-        raise ValueError(f"tls_key_file={key_file!r} is set without tls_cert_file")
+    files = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
     for param, path in files.items():
         if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
             raise ValueError(f"{param}={path!r} is not a readable file")

@@ -2,9 +2,9 @@
 
 :func:`ingest` stores passages the way ``kvblend ingest`` does; :func:`place` then (while the
 shards are stopped, so the disk index is rebuilt from what it leaves) completes every tier's
-copies and leaves each row's chunks only in the tiers its fault is about; :func:`fault` applies a row's fault for the
-duration of a ``with`` block and lifts it after, also on an error. The injectors are
-:mod:`cluster.workloads.faults`.
+copies and leaves each row's chunks only in the tiers its fault is about; :func:`fault`
+applies a row's fault for the duration of a ``with`` block and lifts it after, also on an
+error. The injectors are :mod:`cluster.workloads.faults`.
 """
 
 from __future__ import annotations

@@ -363,9 +363,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args, console, wanted, num_chunks, reps, device, threads) -> int:
+    import secrets
+
     import torch
     from rich.table import Table
 
+    from tiers import auth
     from tiers.keys import Namespace, segment_key
 
     log = console.print
@@ -401,7 +404,7 @@ def _run(args, console, wanted, num_chunks, reps, device, threads) -> int:
             default = row["lz4_on" if defaults[name] == "lz4" else "lz4_off"]
             result["tiers"][name] = {**{k: v for k, v in default.items()}, "default_compression": defaults[name], **row}
             if args.object_key:  # the same bench, objects encoded and read under a key
-                with _object_key():
+                with auth.using(auth.ObjectAuth(secrets.token_bytes(32))):
                     signed = bench.run(defaults[name] == "lz4")
                 result["tiers"][name]["auth"] = signed
                 result["tiers"][name]["auth_get_ratio"] = _sig(signed["get_gbps"] / default["get_gbps"])
@@ -442,21 +445,6 @@ def _run(args, console, wanted, num_chunks, reps, device, threads) -> int:
             json.dump(result, fh, indent=2)
         console.print(f"wrote {args.json} ({result['seconds']} s)")
     return 0
-
-
-@contextlib.contextmanager
-def _object_key():
-    """This process signs and checks chunk objects (tiers.auth) under a random key inside."""
-    import secrets
-
-    from tiers import auth
-
-    before = auth.current()
-    auth.configure(auth.ObjectAuth(secrets.token_bytes(32)))
-    try:
-        yield
-    finally:
-        auth.configure(before)
 
 
 def _make_tier(name, args, stack: contextlib.ExitStack, num_chunks: int, chunk_bytes: int):

@@ -13,7 +13,8 @@
 ``--namespace`` is a chunk-namespace digest (16 hex chars, the first part of a chunk key);
 without it every namespace is deleted. ``--stale`` deletes only objects that are no chunk
 objects of this format version (written before an upgrade that moved it, never read again:
-:func:`tiers.format.is_stale`; one read of each object's 16-byte prefix). Prints what was deleted per tier. Exit status: 0 when
+:func:`tiers.format.is_stale`; one read of each object's 16-byte prefix). Prints what was
+deleted per tier. Exit status: 0 when
 everything asked for was cleared; 1 when a shared tier failed, or nothing could be cleared
 (no shard reachable and, without ``--shared``, nothing else to do).
 """
@@ -47,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides=connection_overrides(args))
     if cfg.cluster.ray_address == "local":
         raise ValueError("--address local starts a new empty Ray; give the running cluster's host:port")
-    what = (f" of namespace {args.namespace}" if args.namespace else "") + (" of another format version"
-                                                                            if args.stale else "")
+    what = f" of namespace {args.namespace}" if args.namespace else ""
+    what += " of another format version" if args.stale else ""
     shards_ok = _clear_shards(cfg, args.namespace, what, args.shared, args.stale)
     configured = [name for name, url in (("redis", cfg.tiers.redis_url), ("s3", cfg.tiers.s3_url)) if url]
     if not args.shared:
