@@ -58,7 +58,7 @@ class TiersConfig:
     eviction_policy: str = _f(
         "lru", "eviction order of the host, disk and gpu tiers", choices=("lru", "lfu"))
     io_timeout_s: float = _f(
-        2.0, "seconds before one tier read or write call counts as failed (a miss); at most load_timeout_s", (0.01, 3600.0))
+        2.0, "seconds before one tier read or write call counts as failed (a miss): Redis/S3 socket timeouts; a disk call running longer makes the disk refuse new calls until it returns; at most load_timeout_s", (0.01, 3600.0))
     lookup_timeout_s: float = _f(
         0.25, "seconds a shard lookup waits for the tiers below host memory (late keys are misses; clients wait this plus a margin)",
         (0.01, 3600.0))

@@ -13,10 +13,13 @@ evicted file stays readable through descriptors already open. Reads use ``os.pre
 ``os.preadv`` (straight into the caller's buffer with :meth:`DiskTier.get_ranges_into`;
 :meth:`DiskTier.get_ranges_into_each` hands each range to the reader's check as it lands).
 
-Failure behaviour: local file I/O is synchronous and has no timeout. Any ``OSError`` (a
+Failure behaviour: local file I/O is synchronous, in the caller's thread. Any ``OSError`` (a
 vanished file, EIO, ENOSPC, permissions) is a miss / a failed put (``False``), logged at
 debug level and counted in ``stats()['errors']``; nothing raises to the caller except
-caller mistakes (``ValueError``). Thread-safe.
+caller mistakes (``ValueError``). With ``io_timeout_s``, a call that runs longer makes the
+tier *stalled* (:class:`tiers.io_watch.IoWatch`): new calls are misses / failed puts at once
+(``io_refused``) until it returns (``io_timeouts``), so no thread queues behind a hung
+device. Thread-safe.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from tiers.eviction import EvictionIndex
+from tiers.io_watch import IoWatch
 from tiers.keys import ChunkKey
 from tiers.tier import Buffer
 
@@ -54,6 +58,8 @@ class DiskTier:
             by a vLLM engine's scheduler and worker processes): a key missing from this
             process's index is looked up on disk and adopted when its file exists. Eviction
             stays per process; a file removed by another process is a miss.
+        io_timeout_s: seconds one read or write may run before the tier counts as stalled
+            and refuses new calls until it returns (see module docstring); None: no deadline.
 
     Raises:
         ValueError: negative capacity or unknown policy.
@@ -61,7 +67,8 @@ class DiskTier:
     """
 
     def __init__(self, path: str, capacity_bytes: int, policy: str = "lru", *,
-                 fsync: bool = True, name: str = "disk", shared: bool = False) -> None:
+                 fsync: bool = True, name: str = "disk", shared: bool = False,
+                 io_timeout_s: float | None = None) -> None:
         self.name = name
         self.shared = shared
         self.path = os.path.abspath(path)
@@ -70,6 +77,7 @@ class DiskTier:
         self._pending: set[ChunkKey] = set()
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(_COUNTERS, 0)
+        self._watch = IoWatch(io_timeout_s, name)
         os.makedirs(self.path, exist_ok=True)
         self._rebuild()
 
@@ -155,9 +163,22 @@ class DiskTier:
         with self._lock:
             return [self._ready(k) for k in keys]
 
+    def _watched(self, fn: Callable, refused, *args):
+        """``fn(*args)`` as one watched call, or ``refused`` while the tier is stalled."""
+        token = self._watch.begin()
+        if token is None:
+            return refused
+        try:
+            return fn(*args)
+        finally:
+            self._watch.end(token)
+
     def put(self, key: ChunkKey, obj: Buffer) -> bool:
         """Write ``obj`` atomically (first wins). False when it cannot fit without evicting
-        pinned chunks or on an I/O error (counted)."""
+        pinned chunks, on an I/O error (counted) or while the tier is stalled."""
+        return self._watched(self._put, False, key, obj)
+
+    def _put(self, key: ChunkKey, obj: Buffer) -> bool:
         view = memoryview(obj).cast("B")
         nbytes = view.nbytes
         with self._lock:
@@ -227,6 +248,9 @@ class DiskTier:
 
     def get(self, key: ChunkKey) -> bytes | None:
         """The whole object (one read), or None."""
+        return self._watched(self._get, None, key)
+
+    def _get(self, key: ChunkKey) -> bytes | None:
         fd = self._open(key)
         if fd is None:
             return None
@@ -248,6 +272,9 @@ class DiskTier:
 
     def head(self, key: ChunkKey, max_bytes: int) -> bytes | None:
         """The first ``min(max_bytes, size)`` bytes, or None."""
+        return self._watched(self._head, None, key, max_bytes)
+
+    def _head(self, key: ChunkKey, max_bytes: int) -> bytes | None:
         fd = self._open(key)
         if fd is None:
             return None
@@ -304,6 +331,10 @@ class DiskTier:
         for (_off, length), v in zip(_checked(ranges), views, strict=False):
             if v.nbytes != length:
                 raise ValueError(f"buffer of {v.nbytes} bytes for a range of {length}")
+        return self._watched(self._read_views, False, key, ranges, views, each)
+
+    def _read_views(self, key: ChunkKey, ranges: Sequence[tuple[int, int]],
+                    views: Sequence[memoryview], each: Callable[[int], None] | None) -> bool:
         fd = self._open(key)
         if fd is None:
             return False
@@ -361,7 +392,7 @@ class DiskTier:
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {**self._stats, "bytes_used": self._index.used_bytes,
+            return {**self._stats, **self._watch.stats(), "bytes_used": self._index.used_bytes,
                     "capacity_bytes": self._index.capacity_bytes, "num_chunks": len(self._index)}
 
 

@@ -104,9 +104,9 @@ class TierStack:
 
     @classmethod
     def from_config(cls, cfg, disk_path: str, **kwargs) -> TierStack:
-        """host → disk → redis → s3 as a :class:`tiers.config.TiersConfig` describes them
-        (a tier sized 0 or without a URL is left out, and so is a shared tier that cannot be
-        opened: see :func:`shared_tiers`); every lower tier is written down.
+        """host → disk → redis → s3 as a :class:`tiers.config.TiersConfig` describes them (a tier
+        sized 0, without a URL or that cannot be opened is left out: see :func:`shared_tiers`);
+        every lower tier is written down; ``io_timeout_s`` bounds each disk call.
 
         Raises:
             ValueError: from the host or disk tier's constructor.
@@ -116,7 +116,7 @@ class TierStack:
 
         tiers: list[Tier] = [HostTier(int(cfg.host_size_gib * 2**30), cfg.eviction_policy)]
         if cfg.disk_size_gib > 0:
-            tiers.append(DiskTier(disk_path, int(cfg.disk_size_gib * 2**30), cfg.eviction_policy))
+            tiers.append(DiskTier(disk_path, int(cfg.disk_size_gib * 2**30), cfg.eviction_policy, io_timeout_s=cfg.io_timeout_s))
         tiers += shared_tiers(cfg)
         return cls(tiers, compression=cfg.compression, **kwargs)
 

@@ -42,7 +42,8 @@ def local_client(config, device: str | torch.device = "cpu") -> LocalCacheClient
 
     root = config.tiers.disk_path or cache_dir(config)
     tier = DiskTier(os.path.join(root, "local-cache"), int(config.tiers.disk_size_gib * 2**30),
-                    config.tiers.eviction_policy, name="disk", shared=True)
+                    config.tiers.eviction_policy, name="disk", shared=True,
+                    io_timeout_s=config.tiers.io_timeout_s)
     return LocalCacheClient(tier, device=device, compress=config.tiers.compression == "lz4")
 
 

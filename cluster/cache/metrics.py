@@ -37,6 +37,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kvblend_read_errors": ("counter", "corrupted, truncated or foreign objects read (served as misses)", ("shard", "tier")),
     "kvblend_writes_dropped": ("counter", "write-downs to lower tiers dropped: the shard's write backlog was full", ("shard",)),
     "kvblend_lookup_timeouts": ("counter", "lower-tier header reads that missed lookup_timeout_s (served as misses)", ("shard",)),
+    "kvblend_io_timeouts": ("counter", "disk calls that ran past io_timeout_s (the tier was stalled meanwhile)", ("shard", "tier")),
+    "kvblend_io_refused": ("counter", "disk calls refused as misses while a call ran past io_timeout_s", ("shard", "tier")),
     "kvblend_breaker_transitions": ("counter", "tier breaker state changes, by new state", ("shard", "tier", "state")),
     "kvblend_prefetch_started": ("counter", "promotions into host memory started by a lookup", ("shard",)),
     "kvblend_prefetch_hits": ("counter", "reads served from host memory that a prefetch had promoted", ("shard",)),
@@ -65,6 +67,10 @@ def prometheus_names() -> set[str]:
         else:
             out.add(base)
     return out
+
+
+#: tier ``stats()`` counters published as ``kvblend_<name>`` counters by :meth:`ShardMetrics.tier_stats`
+_TIER_COUNTERS = ("evictions", "io_timeouts", "io_refused")
 
 
 class ShardMetrics:
@@ -128,7 +134,8 @@ class ShardMetrics:
             pass
 
     def tier_stats(self, tier: str, stats: dict[str, float]) -> None:
-        """Publish a tier's ``stats()``: gauges, and eviction deltas as a counter."""
+        """Publish a tier's ``stats()``: gauges, and the deltas of :data:`_TIER_COUNTERS`
+        (evictions; the disk's ``io_timeouts``/``io_refused``) as counters."""
         if not self.enabled:
             return
         try:
@@ -136,11 +143,12 @@ class ShardMetrics:
             self._m["kvblend_bytes_used"].set(float(stats.get("bytes_used", 0)), tags=tags)
             self._m["kvblend_capacity_bytes"].set(float(stats.get("capacity_bytes", 0)), tags=tags)
             self._m["kvblend_chunks"].set(float(stats.get("num_chunks", 0)), tags=tags)
-            with self._lock:
-                ev = float(stats.get("evictions", 0))
-                delta = ev - self._last.get((tier, "evictions"), 0.0)
-                self._last[(tier, "evictions")] = ev
-            if delta > 0:
-                self._m["kvblend_evictions"].inc(delta, tags=tags)
+            for counter in _TIER_COUNTERS:
+                with self._lock:
+                    now = float(stats.get(counter, 0))
+                    delta = now - self._last.get((tier, counter), 0.0)
+                    self._last[(tier, counter)] = now
+                if delta > 0:
+                    self._m[f"kvblend_{counter}"].inc(delta, tags=tags)
         except Exception:  # noqa: BLE001
             pass

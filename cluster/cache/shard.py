@@ -131,7 +131,7 @@ class CacheShard:
         if tiers_config.disk_size_gib > 0:
             path, self._disk_lock = claim_disk_dir(disk_root, self.node_name, index)
             self.disk = DiskTier(path, int(tiers_config.disk_size_gib * 2**30),
-                                 tiers_config.eviction_policy, name="disk")
+                                 tiers_config.eviction_policy, name="disk", io_timeout_s=tiers_config.io_timeout_s)
         self.shared = shared_tiers(tiers_config)
         self.lower = ([self.disk] if self.disk is not None else []) + self.shared
         # lz4 on disk too (raw_top=False): see the module docstring

@@ -2,7 +2,7 @@
 that passes, black-holes or slows a service's traffic (:class:`TcpProxy`), a frozen process
 (:func:`sigstopped`), bad objects in a tier — flipped, truncated, forged to claim huge sizes,
 or gone while the shard's index lists them (:func:`corrupt_object`, :func:`remove_object`) —
-and a full disk (:func:`small_tmpfs`). Never on the serving path; each injector undoes itself
+a full disk (:func:`small_tmpfs`) and a stalled disk file (:func:`stalled_file`). Never on the serving path; each injector undoes itself
 on exit, also on an exception, and stops the threads it started.
 """
 
@@ -352,6 +352,32 @@ def _disk_file(tier, key: ChunkKey) -> str | None:
     from tiers.disk import DiskTier
 
     return tier._file(key) if isinstance(tier, DiskTier) else None
+
+
+@contextlib.contextmanager
+def stalled_file(tier, key: ChunkKey) -> Iterator[str]:
+    """The disk tier's file of ``key`` replaced by a FIFO: opening it blocks in the kernel,
+    where no Python timeout reaches (as a read on a hung mount or a failing device does),
+    until the context exits. Then every blocked open is released (the FIFO is opened for
+    reading and writing, so it has a writer), the FIFO is unlinked, and what was blocked
+    reads nothing: a failed read, and the key's file is gone (a miss). Yields the path.
+
+    Raises:
+        ValueError: ``tier`` is not a DiskTier or does not hold ``key``.
+    """
+    path = _disk_file(tier, key)
+    if path is None or not os.path.exists(path):
+        raise ValueError(f"{key} has no file in {getattr(tier, 'name', tier)}")
+    os.unlink(path)
+    os.mkfifo(path)
+    try:
+        yield path
+    finally:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # a writer: blocked opens return
+        try:
+            os.unlink(path)  # later opens miss (ENOENT) instead of blocking
+        finally:
+            os.close(fd)
 
 
 class TmpfsUnavailable(RuntimeError):
