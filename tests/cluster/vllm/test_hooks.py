@@ -31,6 +31,7 @@ from tests.cluster.vllm.helpers import (
     settle,
     wait_restarted,
 )
+from tests.cluster.vllm.pressure import run_with_few_blocks, short_of_a_block
 
 pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
 
@@ -274,22 +275,12 @@ def test_preemption_under_memory_pressure_keeps_outputs(blend_llm, blend_stats_p
 
     scheduler = _core(blend_llm).scheduler
     block_size, max_tokens = scheduler.block_size, 12
-
-    def short_of_a_block(make):
-        """``make(padding)`` padded so that the prompt's last block has 4 free slots: its 5th
-        decoded token needs a new block."""
-        for n in range(2 * block_size):
-            ids = make(" well" * n)
-            if len(ids) % block_size == block_size - 4:
-                return ids
-        raise AssertionError("no padding ends the prompt 4 tokens short of a block")
-
     texts = _stored_prompt(blend_llm, blend_stats_path, tokenizer, 2400, n=4, num_sentences=6)
-    prompts = {f"pre-{i}": short_of_a_block(lambda pad, order=order: build_blend_prompt(
+    prompts = {f"pre-{i}": short_of_a_block(block_size, lambda pad, order=order: build_blend_prompt(
                    tokenizer, SYSTEM, [texts[j] for j in order], f"Question{pad}: which item is {24001 + order[0]}?")[0])
                for i, order in enumerate([(0, 1, 2), (3, 0, 1), (2, 3, 0), (1, 2, 3)])}
     plain = passage(2450, num_sentences=10)
-    prompts["pre-prefix"] = short_of_a_block(lambda pad: tokenizer.encode(f"{SYSTEM} {plain}{pad}"))
+    prompts["pre-prefix"] = short_of_a_block(block_size, lambda pad: tokenizer.encode(f"{SYSTEM} {plain}{pad}"))
     generate_and_store(blend_llm, blend_stats_path, prompts["pre-prefix"])  # its prefix chunks
     kv_params = {rid: None for rid in prompts}
     kv_params["pre-1"] = {"kvblend_load_async": False}
@@ -306,38 +297,17 @@ def test_preemption_under_memory_pressure_keeps_outputs(blend_llm, blend_stats_p
         refs[rid] = blend_llm.generate([{"prompt_token_ids": ids}], params(rid, full=True), use_tqdm=False)[0]
     settle(blend_llm)
 
-    pool = scheduler.kv_cache_manager.block_pool
-    # two prompts fit, and nothing more: the first of them to decode past its last block
-    # finds no free block and vLLM preempts a running request
-    keep = sum(sorted((len(ids) // block_size + 1 for ids in prompts.values()), reverse=True)[:2])
-    taken = pool.get_new_blocks(pool.get_num_free_blocks() - keep)
     preemptions: list[tuple[str, list[str]]] = []
-    real_preempt = scheduler._preempt_request
 
-    def spy(request, *a, **kw):
+    def on_preempt(request):
         loading = [r.request_id for r in scheduler.requests.values()
                    if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
         preemptions.append((request.request_id, loading))
-        return real_preempt(request, *a, **kw)
 
-    monkeypatch.setattr(scheduler, "_preempt_request", spy)
     monkeypatch.setattr(get_kv_transfer_group().connector_worker, "load_step_s", 1e-9)  # a layer a step
-    engine = blend_llm.llm_engine
-    finals = {}
-    try:
-        for rid, ids in prompts.items():
-            engine.add_request(rid, {"prompt_token_ids": ids}, params(rid))
-        for _ in range(20_000):
-            if not engine.has_unfinished_requests():
-                break
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        settle(blend_llm)
-    finally:
-        monkeypatch.undo()
-        pool.free_blocks(taken)
-    print(f"block_size {block_size}, {keep} blocks free; preemptions (request, loads in flight): {preemptions}")
+    finals = run_with_few_blocks(blend_llm, prompts, params, on_preempt)
+    monkeypatch.undo()
+    print(f"block_size {block_size}; preemptions (request, loads in flight): {preemptions}")
     assert preemptions, "no request was preempted"
     assert any(loading for _, loading in preemptions), "no preemption while a load was in flight"
     for rid, out in finals.items():

@@ -54,7 +54,8 @@ def _use_client(llm, client, monkeypatch) -> None:
 
 def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, seed: int, redis=None):
     """Store 3 passages, then request them reordered; the first layer read kills the shard
-    (and Redis when given). Returns (output, load event, fallbacks counted, prompt ids)."""
+    (and Redis when given). Returns (output, load event, fallbacks counted, prompt ids, the
+    reading client's counters)."""
     import ray
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -96,22 +97,25 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
         if redis is not None:
             redis.restart()
         monkeypatch.undo()
+        counters = dict(reader.counters)
         reader.close()
         writer.close()
     assert killed, "the load never read the cache"
     (load,) = events(stats_path, out.request_id, "load")
     wait_restarted(config, shard, old_pid)
-    return out, load, worker.counters["fallbacks"] - fallbacks, ids
+    return out, load, worker.counters["fallbacks"] - fallbacks, ids, counters
 
 
 def test_shard_killed_during_a_load_reads_redis(blend_llm, blend_stats_path, tokenizer, ray_redis_cache,
                                                 monkeypatch):
     """The owner shard dies as the load starts: the client reads the chunks from the shared
-    Redis tier and the request is still blended (no fallback), equal to full prefill."""
+    Redis tier and the request is still blended (no fallback), equal to full prefill; the
+    client counted the dead shard and read Redis itself."""
     config, shard = ray_redis_cache
-    out, load, fallbacks, ids = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config, shard,
-                                                   monkeypatch, 1500)
+    out, load, fallbacks, ids, counters = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config,
+                                                             shard, monkeypatch, 1500)
     assert load["num_hit_segments"] == 3 and not load["fallback"] and fallbacks == 0, load
+    assert counters["shard_errors"] + counters["timeouts"] >= 1 and counters["direct_reads"] >= 1, counters
     assert_matches_full(out, generate(blend_llm, ids, FULL))
 
 
@@ -121,8 +125,9 @@ def test_shard_killed_and_redis_down_during_a_load_falls_back(blend_llm, blend_s
     """Shard and Redis both gone during the load: the request is answered by full prefill,
     the fallback is counted, and the output equals full prefill's."""
     config, shard = ray_redis_cache
-    out, load, fallbacks, ids = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config, shard,
-                                                   monkeypatch, 1600, redis=redis_server)
+    out, load, fallbacks, ids, counters = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config,
+                                                             shard, monkeypatch, 1600, redis=redis_server)
     assert load["fallback"] and load["num_hit_segments"] == 0 and fallbacks == 1
+    assert counters["shard_errors"] + counters["timeouts"] >= 1, counters
     assert "could not be read" in load["full_prefill_reason"]
     assert_matches_full(out, generate(blend_llm, ids, FULL))
