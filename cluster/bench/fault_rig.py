@@ -158,23 +158,57 @@ class FaultRig:
         disk = DiskTier(dirs[0], int(DISK_GIB * 2**30) * 4, name="disk")
         return {"disk": disk, "redis": redis, "s3": s3}
 
-    def process_rss_mib(self) -> dict[str, float]:
-        """Resident memory (MiB) of the replica's processes (vLLM's front end, its engine core,
-        the connector's cache agent), the shards and redis-server, by name."""
+    def _pids(self) -> dict[str, int]:
+        """The rig's processes by name: vLLM's front end (``vllm``), its children
+        (``vllm-child-PID-COMM``: the engine core, the connector's cache agent), the shards
+        (``shard-PID``) and ``redis-server``."""
         import psutil
 
-        out: dict[str, float] = {}
-        procs = []
+        out: dict[str, int] = {}
         if self.replica is not None:
-            root = psutil.Process(self.replica.proc.pid)
-            procs += [("vllm", root), *((f"vllm-child-{p.pid}", p) for p in root.children(recursive=True))]
-        procs += [(f"shard-{pid}", psutil.Process(pid)) for pid in self.shard_pids()]
-        if self.redis.proc is not None:
-            procs.append(("redis-server", psutil.Process(self.redis.proc.pid)))
-        for name, p in procs:
             with contextlib.suppress(psutil.Error):
-                out[name] = p.memory_info().rss / 2**20
+                root = psutil.Process(self.replica.proc.pid)
+                out["vllm"] = root.pid
+                for p in root.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        out[f"vllm-child-{p.pid}-{p.name()}"] = p.pid
+        out.update({f"shard-{pid}": pid for pid in self.shard_pids()})
+        if self.redis.proc is not None:
+            out["redis-server"] = self.redis.proc.pid
         return out
+
+    def process_rss_mib(self) -> dict[str, float]:
+        """Resident memory (MiB) of the rig's processes (see :meth:`_pids`), by name."""
+        return {name: m["rss"] for name, m in self.process_memory_mib().items()}
+
+    def process_memory_mib(self) -> dict[str, dict[str, float]]:
+        """Per process of :meth:`process_rss_mib`: ``rss`` and its parts from
+        ``/proc/PID/status`` (``anon``: private heap; ``shmem``: shared memory mapped and
+        touched, e.g. Ray's object store; ``file``: mapped files), MiB. Tells a growing heap
+        from pages of a bounded shared store counted in RSS."""
+        out: dict[str, dict[str, float]] = {}
+        for name, pid in self._pids().items():
+            fields = _proc_status_kib(pid)
+            if "VmRSS" in fields:
+                out[name] = {"rss": fields["VmRSS"] / 1024, "anon": fields.get("RssAnon", 0) / 1024,
+                             "shmem": fields.get("RssShmem", 0) / 1024, "file": fields.get("RssFile", 0) / 1024}
+        return out
+
+
+def _proc_status_kib(pid: int) -> dict[str, int]:
+    """The ``kB`` fields of ``/proc/PID/status`` (``VmRSS``, ``RssAnon``, ...); empty when the
+    process is gone."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0])
+    except OSError:
+        return {}
+    return out
 
 
 def wait_until(check, timeout_s: float, what: str, poll_s: float = 0.5) -> None:

@@ -201,7 +201,9 @@ def run(args: argparse.Namespace) -> int:
 def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int, seed: int = 0) -> dict:
     """Run the soak on ``rig`` for ``seconds`` with ``pool`` (``(prompt ids, reference text)``);
     returns ``seconds``, ``requests``, ``failed_requests``, ``wrong_outputs``, ``phases``
-    (count per fault), ``rss_mib`` (per process: ``[baseline, end, end / baseline]``) and
+    (count per fault), ``rss_mib`` and ``anon_mib`` (per process: ``[baseline, end, end /
+    baseline]`` of RSS and of its private-heap part), ``timeline`` (each process's memory,
+    :meth:`FaultRig.process_memory_mib`, after the warm-up and after every phase) and
     ``rss_within_10pct``."""
     from cluster.bench.fault_setup import S3_DELAY_S, fault, send
 
@@ -228,7 +230,8 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
         with fault(rig, row, [], s3_delay_s=S3_DELAY_S):
             send_until(time.monotonic() + PHASE_S[0])
     send_until(start + seconds * WARMUP_FRACTION)
-    baseline = rig.process_rss_mib()
+    baseline = rig.process_memory_mib()
+    timeline = [{"t_s": round(time.monotonic() - start), "row": "baseline", "mib": _rounded(baseline)}]
     while time.monotonic() < end:
         row = rng.choice(SOAK_FAULTS)
         phase_end = min(end, time.monotonic() + rng.uniform(*PHASE_S))
@@ -236,12 +239,22 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
         log.info("soak: %s for %.0f s (%.0f s left)", row, phase_end - time.monotonic(), end - time.monotonic())
         with fault(rig, "no_fault" if row == "none" else row, [], s3_delay_s=S3_DELAY_S):
             send_until(phase_end)
-    final = rig.process_rss_mib()
-    rss = {name: [round(baseline[name], 1), round(final[name], 1), round(final[name] / baseline[name], 3)]
-           for name in baseline if name in final and baseline[name] > 0}
-    return {"seconds": time.monotonic() - start, **totals, "phases": phases, "rss_mib": rss,
-            "processes_gone": sorted(set(baseline) - set(final)),
+        timeline.append({"t_s": round(time.monotonic() - start), "row": row, "mib": _rounded(rig.process_memory_mib())})
+    final = rig.process_memory_mib()
+    rss = {name: [round(baseline[name]["rss"], 1), round(final[name]["rss"], 1),
+                  round(final[name]["rss"] / baseline[name]["rss"], 3)]
+           for name in baseline if name in final and baseline[name]["rss"] > 0}
+    # the private heap alone (RSS less shared-memory and file pages mapped), same form
+    anon = {name: [round(baseline[name]["anon"], 1), round(final[name]["anon"], 1),
+                   round(final[name]["anon"] / baseline[name]["anon"], 3)]
+            for name in baseline if name in final and baseline[name]["anon"] > 0}
+    return {"seconds": time.monotonic() - start, **totals, "phases": phases, "rss_mib": rss, "anon_mib": anon,
+            "processes_gone": sorted(set(baseline) - set(final)), "timeline": timeline,
             "rss_within_10pct": all(r[2] <= RSS_SLACK for r in rss.values()) and set(baseline) <= set(final)}
+
+
+def _rounded(mem: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {name: {k: round(v, 1) for k, v in m.items()} for name, m in mem.items()}
 
 
 def _print(out: dict) -> None:
@@ -258,3 +271,7 @@ def _print(out: dict) -> None:
         s = out["soak"]
         print(f"soak {s['seconds']:.0f} s: {s['requests']} requests, {s['failed_requests']} failed, "
               f"{s['wrong_outputs']} wrong; RSS within +10%: {s['rss_within_10pct']}")
+        for name, (b, e, r) in s["rss_mib"].items():
+            a = s["anon_mib"].get(name)
+            heap = f"; heap {a[0]:.0f} -> {a[1]:.0f} MiB (x{a[2]:.2f})" if a else ""
+            print(f"  {name:32s} RSS {b:.0f} -> {e:.0f} MiB (x{r:.2f}){heap}")
