@@ -105,13 +105,17 @@ class TcpProxy:
         """Stop accepting, close every connection and join every thread within :data:`JOIN_S`
         (one still alive then is logged: see :meth:`threads_alive`). Idempotent."""
         self._stop.set()
-        with self._lock:
-            links, threads = list(self._links), list(self._threads)
-        for link in links:
-            link.shutdown()
         deadline = time.monotonic() + JOIN_S
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        while True:  # again while threads remain: one accepted or spawned meanwhile is seen
+            with self._lock:
+                links = list(self._links)
+                threads = [t for t in self._threads if t.is_alive()]
+            for link in links:
+                link.shutdown()
+            if not threads or time.monotonic() >= deadline:
+                break
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
         for link in links:  # also where a thread did not end in time
             link.shutdown(close=True)
         if self._listener is not None:
@@ -156,10 +160,10 @@ class TcpProxy:
     def _spawn(self, target, name: str, *args) -> threading.Thread:
         t = threading.Thread(target=target, args=args, daemon=True,
                              name=f"tcp-proxy-{self.port}-{name}")
-        with self._lock:
+        with self._lock:  # started under the lock: close() never lists it before it is alive
             self._threads = [x for x in self._threads if x.is_alive()]
             self._threads.append(t)
-        t.start()
+            t.start()
         return t
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -174,11 +178,17 @@ class TcpProxy:
                 continue
             except OSError:
                 return
-            with self._lock:
+            with self._lock:  # none is added after close() began
+                stopping = self._stop.is_set()
                 link = _Link(conn) if len(self._links) < self.max_connections else None
-                if link is not None:
+                if link is not None and not stopping:
                     self._links.add(link)
-                self.stats["accepted" if link is not None else "refused"] += 1
+                    self.stats["accepted"] += 1
+                elif not stopping:
+                    self.stats["refused"] += 1
+            if stopping:
+                conn.close()
+                return
             if link is None:
                 conn.close()
                 continue

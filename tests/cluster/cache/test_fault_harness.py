@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -263,6 +264,37 @@ def test_tcp_proxy_modes_and_connection_bound(private_redis, proxies):
         proxy.set_mode(SLOW, delay_s=SLOW_DELAY_S)
         assert _ping(c2) == b"+PONG\r\n"
         assert proxy.stats["reads_delayed"] >= 2 and proxy.stats["bytes_dropped"] == len(b"PING\r\n")
+
+
+def test_tcp_proxy_close_while_clients_connect_leaves_no_thread(private_redis):
+    """close() racing new connections (CI on aa543c9: a link accepted as close() began had its
+    thread started after close() listed the threads): every thread has ended when it returns,
+    each time, and no connection is counted after it."""
+    server = private_redis()
+    for _ in range(10):
+        proxy = TcpProxy("127.0.0.1", server.port).start()
+        stop = threading.Event()
+
+        def connect(port=proxy.port, stop=stop):
+            while not stop.is_set():
+                with contextlib.suppress(OSError), socket.create_connection(
+                        ("127.0.0.1", port), timeout=HANG_S) as sock:
+                    _ping(sock)
+
+        clients = [threading.Thread(target=connect, daemon=True) for _ in range(4)]
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + HANG_S
+        while proxy.stats["accepted"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proxy.close()
+        accepted = proxy.stats["accepted"]
+        assert proxy.threads_alive() == 0
+        stop.set()
+        for c in clients:
+            c.join(HANG_S)
+        assert not any(c.is_alive() for c in clients)
+        assert proxy.stats["accepted"] == accepted >= 1
 
 
 def test_redis_black_hole_is_a_miss_by_the_deadline_opens_the_breaker_then_recovers(
