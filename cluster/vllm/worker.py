@@ -37,6 +37,7 @@ from blend.engine import QUERY_SELECTIONS
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
 from cluster.vllm.events import EventLog, WarnOnce
+from cluster.vllm.heap import HeapTrimmer
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
 from cluster.vllm.store_queue import StoreQueue
@@ -87,6 +88,7 @@ class KVBlendWorker:
         self._invalid_block_ids: set[int] = set()
         self._loads: OrderedDict[str, _LoadRun] = OrderedDict()  # async loads in flight
         self._recv_done: set[str] = set()    # async loads done (finished_recving)
+        self._heap = HeapTrimmer()           # freed heap back to the OS after requests finish
         self.stores = StoreQueue(client, canonical_kv=self._canonical_kv,
                                  remember=lambda key, kv: self._source.remember(key, kv),
                                  counters=counters, events=events, warn=warn, thread_initializer=unpin_thread)
@@ -332,7 +334,8 @@ class KVBlendWorker:
         """``finished_sending``: requests whose blocks ``request_finished`` held and whose
         canonical segments are all computed (their puts continue on the I/O thread).
         ``finished_recving``: async loads done, or abandoned because vLLM finished (aborted)
-        the request meanwhile."""
+        the request meanwhile. When a request finished or a load ended, the freed heap goes
+        back to the OS (:mod:`cluster.vllm.heap`, at most every few seconds)."""
         for rid in set(finished_req_ids) & set(self._loads):
             run = self._loads.pop(rid)
             run.steps.close()
@@ -341,6 +344,10 @@ class KVBlendWorker:
             self._recv_done.add(rid)
         done = self.stores.finished_sending(finished_req_ids)
         recving, self._recv_done = self._recv_done, set()
+        if finished_req_ids or recving:  # their buffers were freed: give the pages back
+            trim_s = self._heap.maybe_trim()
+            if trim_s is not None:
+                self._counters.bump(heap_trims=1, heap_trim_s=trim_s)
         return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
