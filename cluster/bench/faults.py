@@ -34,9 +34,16 @@ that moved (``lookup_timeouts``, ``read_errors``, ``breaker_open`` ...), and ``w
 can be lifted (Redis black-holed, S3 slowed, the shard SIGSTOPped, or none), each for
 :data:`PHASE_S` seconds (uniform), requests going one at a time, each a random prompt of the
 bench at ratio 1.0 compared with its full-prefill output. A warm-up (every prompt once, every
-fault once for :data:`PHASE_S`'s minimum, then no fault until :data:`WARMUP_FRACTION` of the
-time) ends with the RSS baseline of every process of the rig; the same is read at the end. Target (issue 20): zero failed requests, zero wrong outputs, every
-process's RSS at the end <= its baseline + 10%.
+fault once for :data:`PHASE_S`'s maximum, then no fault until :data:`WARMUP_FRACTION` of the
+time) ends with the RSS baseline of every process of the rig; the same is read at the end.
+The warm-up's long faults fill the bounded buffers a fault fills (puts held for a stopped
+shard, ``MAX_PENDING_PUT_BYTES``, on top of a full host tier: the Ray object store pages the
+shard and the node's agent map, RSS they keep), so growth after the baseline is not their
+first filling. Both readings are taken at rest, :data:`SETTLE_S` after the last request
+(past the worker's trailing heap trim, :mod:`cluster.vllm.heap`): a reading during a request
+catches the worker's heap anywhere in that request's life (its in-use heap swings by ~0.4
+GiB between loads: ``mallinfo2`` after each load of a 25-minute soak). Target (issue 20):
+zero failed requests, zero wrong outputs, every process's RSS at the end <= its baseline + 10%.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ SOAK_FAULTS = ("none", "redis_blackhole", "s3_throttled", "shard_sigstop")
 PHASE_S = (10.0, 40.0)
 #: share of the soak run without faults before the RSS baseline
 WARMUP_FRACTION = 0.1
+#: seconds without a request before memory is read (the baseline, the end): past the worker's
+#: trailing heap trim, which runs cluster.vllm.heap.MIN_INTERVAL_S (5 s) after the last trim
+SETTLE_S = 7.0
 #: the RSS target: end <= baseline x this
 RSS_SLACK = 1.10
 #: shard counters reported per row when they moved
@@ -220,16 +230,18 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
             for k in totals:
                 totals[k] += got[k]
 
-    # warm-up: every prompt once and every fault once (the bounded buffers a fault fills, e.g.
-    # puts waiting for a stopped shard, fill here), then fault-free to WARMUP_FRACTION
+    # warm-up: every prompt once and every fault once for the longest phase (the bounded
+    # buffers a fault fills, e.g. puts waiting for a stopped shard, fill here), then
+    # fault-free to WARMUP_FRACTION
     for ids, ref in pool:
         got = send(rig, [ids], [ref], max_tokens, {"kvblend_recompute_ratio": 1.0})
         for k in totals:
             totals[k] += got[k]
     for row in SOAK_FAULTS[1:]:
         with fault(rig, row, [], s3_delay_s=S3_DELAY_S):
-            send_until(time.monotonic() + PHASE_S[0])
+            send_until(time.monotonic() + PHASE_S[1])
     send_until(start + seconds * WARMUP_FRACTION)
+    time.sleep(SETTLE_S)
     baseline = rig.process_memory_mib()
     timeline = [{"t_s": round(time.monotonic() - start), "row": "baseline", "mib": _rounded(baseline)}]
     while time.monotonic() < end:
@@ -240,6 +252,7 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
         with fault(rig, "no_fault" if row == "none" else row, [], s3_delay_s=S3_DELAY_S):
             send_until(phase_end)
         timeline.append({"t_s": round(time.monotonic() - start), "row": row, "mib": _rounded(rig.process_memory_mib())})
+    time.sleep(SETTLE_S)
     final = rig.process_memory_mib()
     rss = {name: [round(baseline[name]["rss"], 1), round(final[name]["rss"], 1),
                   round(final[name]["rss"] / baseline[name]["rss"], 3)]

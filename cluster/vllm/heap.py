@@ -12,9 +12,12 @@ worker's RSS grew +22% over 30 minutes with nothing leaked.
 
 :class:`HeapTrimmer` calls glibc's ``malloc_trim(0)`` (which also returns free pages inside
 the arenas, not only at their top) at most once every ``min_interval_s`` seconds, when the
-worker asks after a request finished. Where libc has no ``malloc_trim`` (musl, macOS) it does
-nothing. Called by :meth:`cluster.vllm.worker.KVBlendWorker.get_finished` on the thread that
-runs the model, between engine steps.
+worker asks after a request finished. A request inside the interval is not dropped: one
+trailing trim runs on a timer thread when the interval ends, so a worker that goes idle right
+after a burst (vLLM stops calling the connector when no request runs) still hands its freed
+heap back. Where libc has no ``malloc_trim`` (musl, macOS) it does nothing. Called by
+:meth:`cluster.vllm.worker.KVBlendWorker.get_finished` on the thread that runs the model,
+between engine steps; :meth:`HeapTrimmer.close` from the worker's shutdown.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -44,46 +48,98 @@ def _libc_malloc_trim() -> Callable[[int], int] | None:
 
 
 class HeapTrimmer:
-    """Rate-limited ``malloc_trim(0)`` (see the module docstring).
+    """Rate-limited ``malloc_trim(0)`` with one trailing trim (see the module docstring).
 
     Args:
-        min_interval_s: seconds between two trims at most (>= 0).
+        min_interval_s: seconds between two trims at least (>= 0).
+        on_trim: called with the seconds each trim took (the worker's counters), on the
+            thread that trimmed; its exceptions are logged at debug level.
         clock: monotonic seconds (tests pass a fake one).
         trim: the function called with ``0`` (default: libc's ``malloc_trim``; None found:
-            :meth:`maybe_trim` never trims).
+            :meth:`request` never trims).
+        timer: ``timer(delay_s, fn)`` returning a started-on-``start()`` object with
+            ``cancel()`` (default: a daemon :class:`threading.Timer`; tests pass a fake).
 
     Raises:
         ValueError: a negative ``min_interval_s``.
     """
 
-    def __init__(self, min_interval_s: float = MIN_INTERVAL_S, *, clock: Callable[[], float] = time.monotonic,
-                 trim: Callable[[int], int] | None = None) -> None:
+    def __init__(self, min_interval_s: float = MIN_INTERVAL_S, *,
+                 on_trim: Callable[[float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 trim: Callable[[int], int] | None = None,
+                 timer: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         if min_interval_s < 0:
             raise ValueError(f"min_interval_s={min_interval_s} must be >= 0")
         self.min_interval_s = float(min_interval_s)
+        self._on_trim = on_trim
         self._clock = clock
         self._trim = trim if trim is not None else _libc_malloc_trim()
+        self._timer_factory = timer if timer is not None else _daemon_timer
+        self._lock = threading.Lock()  # held while trimming and while the state changes
         self._last: float | None = None
+        self._pending = None  # the trailing trim's timer, at most one
+        self._closed = False
 
     @property
     def available(self) -> bool:
         """Whether this C library can trim."""
         return self._trim is not None
 
-    def maybe_trim(self) -> float | None:
-        """Trim when ``min_interval_s`` passed since the last trim (or none happened yet);
-        returns the seconds it took, None when it did not trim. Never raises: a failing trim
-        is logged at debug level and counts as not trimmed."""
-        if self._trim is None:
+    def request(self) -> float | None:
+        """Ask for a trim (the worker: a request finished or a load ended). Trims now when
+        ``min_interval_s`` passed since the last trim, and returns the seconds it took;
+        otherwise arms one trailing trim for when the interval ends (none when one is armed
+        already) and returns None. Never blocks behind a trim running on the timer thread
+        (returns None then) and never raises."""
+        if self._trim is None or self._closed or not self._lock.acquire(blocking=False):
             return None
-        now = self._clock()
-        if self._last is not None and now - self._last < self.min_interval_s:
+        try:
+            now = self._clock()
+            if self._last is None or now - self._last >= self.min_interval_s:
+                return self._trim_locked(now)
+            if self._pending is None:
+                self._pending = self._timer_factory(self._last + self.min_interval_s - now, self._trailing)
+                self._pending.start()
             return None
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Cancel the armed trailing trim; later requests do nothing (worker shutdown)."""
+        with self._lock:
+            self._closed = True
+            if self._pending is not None:
+                self._pending.cancel()
+                self._pending = None
+
+    def _trailing(self) -> None:
+        with self._lock:
+            self._pending = None
+            if not self._closed:
+                self._trim_locked(self._clock())
+
+    def _trim_locked(self, now: float) -> float | None:
         self._last = now
+        if self._pending is not None:  # this trim covers what the trailing one was for
+            self._pending.cancel()
+            self._pending = None
         start = time.perf_counter()
         try:
             self._trim(0)
         except Exception as e:  # noqa: BLE001 - memory hygiene never fails a request
             log.debug("malloc_trim failed: %r", e)
             return None
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        if self._on_trim is not None:
+            try:
+                self._on_trim(took)
+            except Exception as e:  # noqa: BLE001
+                log.debug("heap trim callback failed: %r", e)
+        return took
+
+
+def _daemon_timer(delay_s: float, fn: Callable[[], None]) -> threading.Timer:
+    t = threading.Timer(max(0.0, delay_s), fn)
+    t.daemon = True
+    return t

@@ -55,7 +55,7 @@ PROM_COUNTERS: dict[str, str] = {
     "store_dropped": "chunks not stored because the store queue was full (serving never waits)",
     "store_s": "seconds spent computing and storing chunks",
     "heap_trims": "times the worker handed freed heap back to the OS after requests finished (malloc_trim)",
-    "heap_trim_s": "seconds those trims took (on the model's thread, between engine steps)",
+    "heap_trim_s": "seconds those trims took (on the model's thread between engine steps; a trailing one on a timer thread)",
 }
 
 

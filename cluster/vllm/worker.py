@@ -88,7 +88,8 @@ class KVBlendWorker:
         self._invalid_block_ids: set[int] = set()
         self._loads: OrderedDict[str, _LoadRun] = OrderedDict()  # async loads in flight
         self._recv_done: set[str] = set()    # async loads done (finished_recving)
-        self._heap = HeapTrimmer()           # freed heap back to the OS after requests finish
+        # freed heap back to the OS after requests finish (also once the worker went idle)
+        self._heap = HeapTrimmer(on_trim=lambda s: counters.bump(heap_trims=1, heap_trim_s=s))
         self.stores = StoreQueue(client, canonical_kv=self._canonical_kv,
                                  remember=lambda key, kv: self._source.remember(key, kv),
                                  counters=counters, events=events, warn=warn, thread_initializer=unpin_thread)
@@ -335,7 +336,8 @@ class KVBlendWorker:
         canonical segments are all computed (their puts continue on the I/O thread).
         ``finished_recving``: async loads done, or abandoned because vLLM finished (aborted)
         the request meanwhile. When a request finished or a load ended, the freed heap goes
-        back to the OS (:mod:`cluster.vllm.heap`, at most every few seconds)."""
+        back to the OS (:mod:`cluster.vllm.heap`: at most every few seconds, and once more when
+        the interval ends, so an idle worker holds no freed heap)."""
         for rid in set(finished_req_ids) & set(self._loads):
             run = self._loads.pop(rid)
             run.steps.close()
@@ -345,9 +347,7 @@ class KVBlendWorker:
         done = self.stores.finished_sending(finished_req_ids)
         recving, self._recv_done = self._recv_done, set()
         if finished_req_ids or recving:  # their buffers were freed: give the pages back
-            trim_s = self._heap.maybe_trim()
-            if trim_s is not None:
-                self._counters.bump(heap_trims=1, heap_trim_s=trim_s)
+            self._heap.request()
         return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -368,6 +368,7 @@ class KVBlendWorker:
         try:
             self.flush(timeout_s=30.0)
         finally:
+            self._heap.close()
             self.stores.shutdown()
             if self._source is not None:
                 self._source.close()  # staging threads, pinned memory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 
@@ -17,21 +18,111 @@ class _Clock:
         return self.now
 
 
-def test_trims_at_most_once_per_interval():
-    clock, calls = _Clock(), []
-    trimmer = HeapTrimmer(5.0, clock=clock, trim=lambda pad: calls.append(pad) or 1)
-    assert trimmer.maybe_trim() is not None and calls == [0]
+class _Timers:
+    """A fake ``timer(delay_s, fn)``: records each armed timer; ``fire()`` runs the last one."""
+
+    def __init__(self) -> None:
+        self.armed: list[list] = []  # [delay_s, fn, started, cancelled]
+
+    def __call__(self, delay_s, fn):
+        entry = [delay_s, fn, False, False]
+        self.armed.append(entry)
+
+        class _T:
+            def start(self):
+                entry[2] = True
+
+            def cancel(self):
+                entry[3] = True
+
+        return _T()
+
+    def fire(self) -> None:
+        delay_s, fn, started, cancelled = self.armed[-1]
+        assert started and not cancelled
+        fn()
+
+
+def _trimmer(interval_s=5.0):
+    clock, calls, timers, took = _Clock(), [], _Timers(), []
+    trimmer = HeapTrimmer(interval_s, clock=clock, trim=lambda pad: calls.append(pad) or 1,
+                          timer=timers, on_trim=took.append)
+    return trimmer, clock, calls, timers, took
+
+
+def test_trims_at_most_once_per_interval_and_counts_each_trim():
+    trimmer, clock, calls, timers, took = _trimmer()
+    assert trimmer.request() is not None and calls == [0] and len(took) == 1
     clock.now += 4.9
-    assert trimmer.maybe_trim() is None and calls == [0]
+    assert trimmer.request() is None and calls == [0]
     clock.now += 0.1
-    assert trimmer.maybe_trim() >= 0.0 and calls == [0, 0]
+    assert trimmer.request() >= 0.0 and calls == [0, 0] and len(took) == 2
 
 
-def test_a_failing_trim_is_not_counted_and_never_raises():
+def test_a_request_inside_the_interval_arms_one_trailing_trim():
+    """The soak's idle worker: vLLM stops calling the connector when no request runs, so a
+    request refused by the rate limit must still trim when the interval ends."""
+    trimmer, clock, calls, timers, took = _trimmer()
+    trimmer.request()
+    clock.now += 1.0
+    trimmer.request()
+    trimmer.request()
+    assert calls == [0] and len(timers.armed) == 1  # one timer, however many requests
+    assert timers.armed[0][0] == 4.0  # fires when the interval since the last trim ends
+    clock.now += 4.0
+    timers.fire()
+    assert calls == [0, 0] and len(took) == 2
+    clock.now += 1.0
+    trimmer.request()  # the trailing trim counts as the last one
+    assert calls == [0, 0] and len(timers.armed) == 2
+
+
+def test_a_trim_now_cancels_the_armed_trailing_one():
+    trimmer, clock, calls, timers, took = _trimmer()
+    trimmer.request()
+    clock.now += 1.0
+    trimmer.request()
+    clock.now += 5.0
+    assert trimmer.request() is not None
+    assert timers.armed[0][3]  # cancelled
+    assert calls == [0, 0]
+
+
+def test_close_cancels_the_trailing_trim_and_stops_trimming():
+    trimmer, clock, calls, timers, took = _trimmer()
+    trimmer.request()
+    clock.now += 1.0
+    trimmer.request()
+    trimmer.close()
+    assert timers.armed[0][3]
+    timers.armed[0][1]()  # a timer that fired anyway as it was cancelled
+    clock.now += 10.0
+    assert trimmer.request() is None
+    assert calls == [0]
+
+
+def test_the_default_timer_runs_the_trailing_trim_on_its_own_thread():
+    done = threading.Event()
+    calls = []
+    trimmer = HeapTrimmer(0.05, trim=lambda pad: calls.append(threading.current_thread().name) or 1,
+                          on_trim=lambda s: done.set() if len(calls) == 2 else None)
+    trimmer.request()
+    trimmer.request()
+    assert done.wait(10.0), calls
+    assert calls[0] == threading.current_thread().name and calls[1] != calls[0]
+    trimmer.close()
+
+
+def test_a_failing_trim_or_callback_is_not_counted_and_never_raises():
     def boom(pad):
         raise OSError("no")
 
-    assert HeapTrimmer(0.0, trim=boom).maybe_trim() is None
+    assert HeapTrimmer(0.0, trim=boom).request() is None
+
+    def bad_callback(s):
+        raise RuntimeError("counters")
+
+    assert HeapTrimmer(0.0, trim=lambda pad: 1, on_trim=bad_callback).request() is not None
 
 
 def test_negative_interval_is_refused():
@@ -62,7 +153,7 @@ def test_libc_trim_returns_freed_arena_pages():
         libc.free(b)
     before = _rss_anon_kib()
     trimmer = HeapTrimmer(0.0)
-    assert trimmer.available and trimmer.maybe_trim() is not None
+    assert trimmer.available and trimmer.request() is not None
     after = _rss_anon_kib()
     for p in pins:
         libc.free(p)

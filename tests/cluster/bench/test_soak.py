@@ -1,0 +1,92 @@
+"""cluster.bench.faults.soak on a stand-in rig: what the 30-minute soak of issue 20 reports
+(failed and wrong requests summed over every phase, each process's RSS at the end against its
+baseline after the warm-up) and when it reads memory (after every fault ran in the warm-up,
+and at rest). The real soak: ``kvblend bench faults --soak 1800`` (README, Faults)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from cluster.bench import fault_setup, faults
+
+
+class _Rig:
+    """Stand-in for FaultRig: memory readings from a script, and a log of what happened."""
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.log: list[str] = []
+
+    def process_memory_mib(self):
+        self.log.append("read")
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def _mem(worker_rss, shard_rss=1000.0):
+    return {"worker": {"rss": worker_rss, "anon": worker_rss - 100, "shmem": 0.0, "file": 100.0},
+            "shard": {"rss": shard_rss, "anon": 500.0, "shmem": shard_rss - 500, "file": 0.0}}
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(faults, "PHASE_S", (0.01, 0.02))
+    monkeypatch.setattr(faults, "SETTLE_S", 0.125)
+
+
+def _wire(monkeypatch, rig, wrong_on=None):
+    sent = []
+
+    def send(rig_, prompts, refs, max_tokens, params):
+        assert params == {"kvblend_recompute_ratio": 1.0}
+        sent.append(prompts[0])
+        rig_.log.append("send")
+        bad = wrong_on is not None and rig_.log.count("send") == wrong_on
+        return {"requests": 1, "failed_requests": 0, "wrong_outputs": int(bad)}
+
+    @contextlib.contextmanager
+    def fault(rig_, row, keys, s3_delay_s):
+        rig_.log.append(f"fault:{row}")
+        yield {}
+
+    monkeypatch.setattr(fault_setup, "send", send)
+    monkeypatch.setattr(fault_setup, "fault", fault)
+    return sent
+
+
+def test_soak_reads_the_baseline_after_every_fault_and_at_rest(monkeypatch, fast):
+    rig = _Rig([_mem(3000.0), _mem(3100.0)])
+    sent = _wire(monkeypatch, rig)
+    monkeypatch.setattr(faults.time, "sleep", lambda s: rig.log.append(f"sleep:{s}"))
+    out = faults.soak(rig, [([1], "a"), ([2], "b")], seconds=0.2, max_tokens=4)
+    first_read = rig.log.index("read")
+    warmup = rig.log[:first_read]
+    assert {"fault:redis_blackhole", "fault:s3_throttled", "fault:shard_sigstop"} <= set(warmup)
+    assert [1] in sent and [2] in sent
+    # at rest: SETTLE_S without a request before the baseline and before the last reading
+    assert rig.log[first_read - 1] == "sleep:0.125"
+    assert rig.log[-2:] == ["sleep:0.125", "read"]
+    assert out["requests"] == len(sent) and out["failed_requests"] == 0 and out["wrong_outputs"] == 0
+    assert out["rss_mib"]["worker"] == [3000.0, 3100.0, 1.033]
+    assert out["rss_within_10pct"] is True
+    assert out["timeline"][0]["row"] == "baseline"
+
+
+def test_soak_misses_the_rss_target_on_growth_and_counts_wrong_outputs(monkeypatch, fast):
+    rig = _Rig([_mem(3000.0), _mem(3000.0, shard_rss=1200.0)])
+    _wire(monkeypatch, rig, wrong_on=3)
+    out = faults.soak(rig, [([1], "a")], seconds=0.2, max_tokens=4)
+    assert out["rss_mib"]["shard"][2] == 1.2
+    assert out["rss_within_10pct"] is False
+    assert out["wrong_outputs"] == 1
+
+
+def test_soak_misses_the_rss_target_when_a_process_is_gone(monkeypatch, fast):
+    gone = _mem(3000.0)
+    del gone["shard"]
+    rig = _Rig([_mem(3000.0), gone])
+    _wire(monkeypatch, rig)
+    out = faults.soak(rig, [([1], "a")], seconds=0.2, max_tokens=4)
+    assert out["processes_gone"] == ["shard"]
+    assert out["rss_within_10pct"] is False
