@@ -4,10 +4,14 @@ The in-process engine (``blend_llm``, ratio 1.0) gets Ray cache clients in place
 process-local cache: one Ray node with one shard (host memory, write-through to a Redis tier
 shared by all shards). A cold request stores three passages through the shard; a *fresh*
 client (nothing mapped, as another replica's) serves the reordered request, and its first
-layer read kills the shard (and, in the second test, Redis too) before reading.
+layer read kills the shard (and, in the second test, Redis too) before reading — or freezes
+them with SIGSTOP (a retrieve that never answers must not park the request: LMCache PR #5047).
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 
@@ -52,10 +56,12 @@ def _use_client(llm, client, monkeypatch) -> None:
     monkeypatch.setattr(worker._source, "gpu", None)
 
 
-def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, seed: int, redis=None):
+def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, seed: int, redis=None,
+                       freeze: bool = False):
     """Store 3 passages, then request them reordered; the first layer read kills the shard
-    (and Redis when given). Returns (output, load event, fallbacks counted, prompt ids, the
-    reading client's counters)."""
+    (and Redis when given), or with ``freeze`` SIGSTOPs them (SIGCONT once the request is
+    answered). Returns (output, load event, fallbacks counted, prompt ids, the reading
+    client's counters)."""
     import ray
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -78,13 +84,19 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     old_pid = ray.get(handle.ready.remote())["pid"]
     real_fetch = reader._fetch  # noqa: SLF001 - the one per-layer read both fetch paths use
     killed: list[int] = []
+    frozen: list[int] = []
 
     def kill_then_fetch(keys, layer_idx):
         if not killed:
             killed.append(layer_idx)
-            ray.kill(handle, no_restart=False)
-            if redis is not None:
-                redis.kill()
+            if freeze:
+                frozen.extend([old_pid] + ([redis.proc.pid] if redis is not None else []))
+                for pid in frozen:
+                    os.kill(pid, signal.SIGSTOP)
+            else:
+                ray.kill(handle, no_restart=False)
+                if redis is not None:
+                    redis.kill()
         return real_fetch(keys, layer_idx)
 
     monkeypatch.setattr(reader, "_fetch", kill_then_fetch)
@@ -94,7 +106,9 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     try:
         out = generate(llm, ids, {"kvblend_store": False})
     finally:
-        if redis is not None:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        if redis is not None and not freeze:
             redis.restart()
         monkeypatch.undo()
         counters = dict(reader.counters)
@@ -102,7 +116,10 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
         writer.close()
     assert killed, "the load never read the cache"
     (load,) = events(stats_path, out.request_id, "load")
-    wait_restarted(config, shard, old_pid)
+    if freeze:  # the same process answers again once it runs
+        assert ray.get(handle.ready.remote(), timeout=60)["pid"] == old_pid
+    else:
+        wait_restarted(config, shard, old_pid)
     return out, load, worker.counters["fallbacks"] - fallbacks, ids, counters
 
 
@@ -130,4 +147,34 @@ def test_shard_killed_and_redis_down_during_a_load_falls_back(blend_llm, blend_s
     assert load["fallback"] and load["num_hit_segments"] == 0 and fallbacks == 1
     assert counters["shard_errors"] + counters["timeouts"] >= 1, counters
     assert "could not be read" in load["full_prefill_reason"]
+    assert_matches_full(out, generate(blend_llm, ids, FULL))
+
+
+def test_shard_frozen_during_a_load_falls_back_by_the_deadline(blend_llm, blend_stats_path, tokenizer,
+                                                              ray_redis_cache, monkeypatch):
+    """The owner shard is SIGSTOPped as the load starts (it never answers and never dies;
+    LMCache PR #5047's fault): the client's call deadline (3 s here) ends its wait, later than
+    the engine's load deadline (``load_timeout_s`` 2 s), so the request falls back to full
+    prefill — counted, with full prefill's output — instead of waiting for the shard."""
+    config, shard = ray_redis_cache
+    out, load, fallbacks, ids, counters = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config,
+                                                             shard, monkeypatch, 1700, freeze=True)
+    assert load["fallback"] and fallbacks == 1, load
+    assert "could not be read" in load["full_prefill_reason"]
+    assert counters["timeouts"] >= 1, counters
+    assert_matches_full(out, generate(blend_llm, ids, FULL))
+
+
+def test_shard_and_redis_frozen_during_a_load_fall_back(blend_llm, blend_stats_path, tokenizer,
+                                                        ray_redis_cache, redis_server, monkeypatch):
+    """Shard and redis-server both SIGSTOPped during the load: nothing answers, so the load's
+    deadline makes the request fall back to full prefill (counted), with full prefill's output;
+    neither process is restarted and both serve again after SIGCONT."""
+    config, shard = ray_redis_cache
+    out, load, fallbacks, ids, counters = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config,
+                                                             shard, monkeypatch, 1800, redis=redis_server,
+                                                             freeze=True)
+    assert load["fallback"] and fallbacks == 1, load
+    assert "could not be read" in load["full_prefill_reason"]
+    assert counters["timeouts"] >= 1, counters
     assert_matches_full(out, generate(blend_llm, ids, FULL))
