@@ -7,8 +7,10 @@ what is freed in its arenas, and once a large block has been freed its dynamic m
 rises (up to 32 MiB), so even those layer buffers come from the arenas instead of ``mmap``.
 Measured in the worker of ``kvblend bench faults --soak`` (``mallinfo2`` and a ``gc`` census
 after every load): the heap in use stayed at ~1.05 GiB, the tensors and Python objects were
-constant, while the free memory the arenas kept wandered between 0.28 and 0.80 GiB — the
-worker's RSS grew +22% over 30 minutes with nothing leaked.
+constant, while the free memory the arenas kept wandered between 0.28 and 0.80 GiB (that
+soak's larger growth, +3 GiB, was another cause: layers held in reference cycles until a full
+collection, fixed in :mod:`cluster.vllm.worker_source`). With both, the worker's RSS at rest
+was x1.00 after a 30-minute soak (README, Faults).
 
 :class:`HeapTrimmer` calls glibc's ``malloc_trim(0)`` (which also returns free pages inside
 the arenas, not only at their top) at most once every ``min_interval_s`` seconds, when the

@@ -10,12 +10,12 @@ them with SIGSTOP (a retrieve that never answers must not park the request: LMCa
 
 from __future__ import annotations
 
-import os
-import signal
+import contextlib
 
 import pytest
 
 from blend.segments import build_blend_prompt
+from cluster.workloads.faults import sigstopped
 from tests.cluster.vllm.helpers import (
     FULL,
     SYSTEM,
@@ -84,15 +84,14 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     old_pid = ray.get(handle.ready.remote())["pid"]
     real_fetch = reader._fetch  # noqa: SLF001 - the one per-layer read both fetch paths use
     killed: list[int] = []
-    frozen: list[int] = []
+    frozen = contextlib.ExitStack()  # SIGCONT on close
 
     def kill_then_fetch(keys, layer_idx):
         if not killed:
             killed.append(layer_idx)
             if freeze:
-                frozen.extend([old_pid] + ([redis.proc.pid] if redis is not None else []))
-                for pid in frozen:
-                    os.kill(pid, signal.SIGSTOP)
+                for pid in [old_pid] + ([redis.proc.pid] if redis is not None else []):
+                    frozen.enter_context(sigstopped(pid))
             else:
                 ray.kill(handle, no_restart=False)
                 if redis is not None:
@@ -106,8 +105,7 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     try:
         out = generate(llm, ids, {"kvblend_store": False})
     finally:
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
+        frozen.close()
         if redis is not None and not freeze:
             redis.restart()
         monkeypatch.undo()

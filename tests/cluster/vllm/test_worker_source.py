@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from concurrent.futures import Future
 
 import torch
 
 from blend.protocols import KVSource, fetch_each
-from cluster.cache.local import LocalCacheClient
+from cluster.cache.local import DeferredRead, LocalCacheClient
 from cluster.vllm.worker_source import WorkerKVSource, build_worker_source
 from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
@@ -114,11 +116,6 @@ def test_read_layers_are_freed_when_dropped_without_the_cyclic_collector():
     chunks beside it — stayed in memory until Python's full collection ran (the worker's heap
     grew 3.4 -> 6.5 GiB in 20 minutes, then fell at once). With the collector off, what a
     consumer drops must be freed by reference counting alone; also a future never asked for."""
-    import gc
-    import weakref
-
-    from cluster.cache.local import DeferredRead
-
     class _DeferredClient(_Client):  # pending until asked, as the machine-local and agent clients
         def fetch_layers(self, keys, layer_idxs):
             return [DeferredRead(lambda i=i: self.fetch_layer(keys, i).result()) for i in layer_idxs]
