@@ -20,7 +20,13 @@ Operations: ``lookup`` (keys -> ``[num_tokens, position runs, tier]`` or null), 
 (keys -> each mapped chunk object's bytes as a buffer: the agent holds it zero-copy from the
 node's object store and the copy into the socket is the only one), ``contains``, ``delete``,
 ``clear`` (a namespace on every shard), ``put`` (one ``[L, 2, T, H, D]`` tensor as a buffer),
-``flush``, ``stats``.
+``flush``, ``stats`` (the client's statistics and ``heap_trims``).
+
+Memory: each ``put`` frame's buffer (and an ``objects`` answer read from a shared tier rather
+than mapped) is a few MiB of heap, freed once answered; glibc keeps such freed blocks (while a
+stopped shard holds puts they pile up), so after answering one of those the agent asks its
+:class:`~cluster.heap.HeapTrimmer` to hand freed heap back (at most every 5 s, and once more
+when the agent goes idle; :mod:`cluster.heap` has the measurement).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.env import configure_object_auth
+from cluster.heap import HeapTrimmer
 
 log = logging.getLogger("kvblend.agent")
 
@@ -40,6 +47,9 @@ log = logging.getLogger("kvblend.agent")
 WORKERS = 8
 #: operations answered one at a time in arrival order
 ORDERED_OPS = frozenset({"put", "flush", "delete", "clear"})
+#: operations whose buffers (a stored chunk's KV, objects read from a shared tier) are large
+#: heap blocks freed after the answer: a heap trim is asked for after each
+BUFFER_OPS = frozenset({"put", "objects"})
 
 
 def _all_cpus() -> None:
@@ -57,6 +67,11 @@ class Agent:
         self.sock = sock
         self.send_lock = threading.Lock()
         self.client = None
+        self.heap_trims = 0
+        self.heap = HeapTrimmer(on_trim=self._trimmed)
+
+    def _trimmed(self, seconds: float) -> None:
+        self.heap_trims += 1
 
     def send(self, message: dict, buffers: list | tuple = ()) -> None:
         from cluster.cache.wire import send_frame
@@ -120,6 +135,11 @@ class Agent:
             self.send(reply, out)
         except (OSError, ValueError) as e:
             log.debug("agent reply failed: %r", e)
+        # free the frame's buffers now (the pool's work item holds the list until this returns)
+        buffers.clear()
+        del out
+        if message.get("op") in BUFFER_OPS:
+            self.heap.request()
 
     def run(self, message: dict, buffers: list) -> tuple[object, list]:
         from tiers.keys import ChunkKey
@@ -159,7 +179,7 @@ class Agent:
         if op == "flush":
             return client.flush(float(message["timeout_s"])), []
         if op == "stats":
-            return client.stats(), []
+            return {**client.stats(), "heap_trims": self.heap_trims}, []
         if op == "clear":
             return client.clear(message.get("namespace")), []
         raise ValueError(f"unknown agent op {op!r}")

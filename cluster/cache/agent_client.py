@@ -434,8 +434,8 @@ class AgentClient:
 
     def stats(self) -> dict:
         """``{'client': this client's counters, 'agent': {...}, 'shards': {...}}``: the agent's
-        client statistics when it is up (its counters under ``agent.client``), the
-        fallback's otherwise."""
+        client statistics when it is up (its counters under ``agent.client``, its heap trims
+        under ``agent.heap_trims``), the fallback's otherwise."""
         link = self._link
         got = self._call(link, self.timeout_s * 2, {"op": "stats"}) if link is not None else None
         inner = got[0] if got is not None else self.fallback.stats()
@@ -443,7 +443,7 @@ class AgentClient:
             client = dict(self.counters)
         return {"client": client, "shards": inner.get("shards", {}),
                 "agent": {"up": link is not None, "pid": link.pid if link else None,
-                          "client": inner.get("client", {})}}
+                          "client": inner.get("client", {}), "heap_trims": inner.get("heap_trims", 0)}}
 
     def close(self) -> None:
         """Stop the agent and the fetch threads; the fallback is not closed (it is shared)."""

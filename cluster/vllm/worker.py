@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from blend.engine import QUERY_SELECTIONS
+from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
 from cluster.vllm.events import EventLog, WarnOnce
-from cluster.vllm.heap import HeapTrimmer
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
 from cluster.vllm.store_queue import StoreQueue
@@ -336,7 +336,7 @@ class KVBlendWorker:
         canonical segments are all computed (their puts continue on the I/O thread).
         ``finished_recving``: async loads done, or abandoned because vLLM finished (aborted)
         the request meanwhile. When a request finished or a load ended, the freed heap goes
-        back to the OS (:mod:`cluster.vllm.heap`: at most every few seconds, and once more when
+        back to the OS (:mod:`cluster.heap`: at most every few seconds, and once more when
         the interval ends, so an idle worker holds no freed heap)."""
         for rid in set(finished_req_ids) & set(self._loads):
             run = self._loads.pop(rid)

@@ -1,4 +1,5 @@
-"""Hand the vLLM worker's freed heap back to the operating system between requests.
+"""Hand a process's freed heap back to the operating system between requests: the vLLM
+worker's and the cache agent's (:mod:`cluster.cache.agent`).
 
 Why (issue 20's soak, 2026-12-02): a worker with the connector allocates and frees tens of
 MiB per request — each chunk's layers as they arrive from the cache (~0.9 MiB a layer for a
@@ -10,16 +11,21 @@ after every load): the heap in use stayed at ~1.05 GiB, the tensors and Python o
 constant, while the free memory the arenas kept wandered between 0.28 and 0.80 GiB (that
 soak's larger growth, +3 GiB, was another cause: layers held in reference cycles until a full
 collection, fixed in :mod:`cluster.vllm.worker_source`). With both, the worker's RSS at rest
-was x1.00 after a 30-minute soak (README, Faults).
+was x1.00 after a 30-minute soak (README, Faults). The cache agent receives each stored
+chunk's KV as one buffer of a few MiB and queues those buffers while a slow or stopped shard
+holds its puts: in the soak of 2026-12-03 its main heap kept +52 MiB freed that way from a
+shard_sigstop phase on (``/proc/PID/smaps``: the ``[heap]`` mapping; ``malloc_trim(0)`` called
+in it through gdb gave the 55 MiB back).
 
 :class:`HeapTrimmer` calls glibc's ``malloc_trim(0)`` (which also returns free pages inside
 the arenas, not only at their top) at most once every ``min_interval_s`` seconds, when the
-worker asks after a request finished. A request inside the interval is not dropped: one
-trailing trim runs on a timer thread when the interval ends, so a worker that goes idle right
+process asks (a request finished, a large buffer was freed). A request inside the interval is
+not dropped: one trailing trim runs on a timer thread when the interval ends, so a worker that goes idle right
 after a burst (vLLM stops calling the connector when no request runs) still hands its freed
 heap back. Where libc has no ``malloc_trim`` (musl, macOS) it does nothing. Called by
 :meth:`cluster.vllm.worker.KVBlendWorker.get_finished` on the thread that runs the model,
-between engine steps; :meth:`HeapTrimmer.close` from the worker's shutdown.
+between engine steps (:meth:`HeapTrimmer.close` from the worker's shutdown), and by the cache
+agent after it answered a ``put`` or ``objects`` request, on the thread that answered.
 """
 
 from __future__ import annotations

@@ -1,0 +1,114 @@
+"""The cache agent hands freed heap back after the requests that carry large buffers (issue
+20's soak: the agent's main heap kept +52 MiB of freed put buffers after a shard_sigstop
+phase). In-process :class:`cluster.cache.agent.Agent` over a socket pair, with a stand-in
+cache client and a :class:`cluster.heap.HeapTrimmer` whose trim and timer are recorded."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from cluster.cache.agent import Agent
+from cluster.cache.wire import recv_frame
+from cluster.heap import HeapTrimmer
+from tests.factories import make_key
+
+
+class _Client:
+    """What the agent calls on its CacheClient for put, lookup and stats."""
+
+    def __init__(self):
+        self.puts = []
+
+    def put(self, key, kv, positions):
+        self.puts.append((key, kv.clone(), positions))
+
+    def lookup(self, keys):
+        return [None] * len(keys)
+
+    def stats(self):
+        return {"client": {"puts": len(self.puts)}, "shards": {}}
+
+
+class _Timer:
+    def __init__(self, delay_s, fn):
+        self.delay_s, self.fn, self.cancelled = delay_s, fn, False
+
+    def start(self):
+        pass
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.fixture
+def agent():
+    ours, theirs = socket.socketpair()
+    trims, timers, now = [], [], [100.0]
+
+    def timer(delay_s, fn):
+        timers.append(_Timer(delay_s, fn))
+        return timers[-1]
+
+    a = Agent(ours)
+    a.heap = HeapTrimmer(5.0, on_trim=a._trimmed, clock=lambda: now[0], trim=trims.append, timer=timer)
+    a.client = _Client()
+    yield a, theirs, trims, timers, now
+    ours.close()
+    theirs.close()
+
+
+def _put_frame(i: int):
+    kv = torch.full((2, 2, 4, 1, 8), float(i), dtype=torch.float16)
+    message = {"id": i, "op": "put", "keys": [str(make_key(4100 + i))], "dtype": "float16",
+               "shape": list(kv.shape), "positions": list(range(4))}
+    return message, [bytearray(kv.numpy().tobytes())], kv
+
+
+def test_a_put_frees_its_buffer_and_asks_for_a_trim(agent):
+    a, peer, trims, timers, now = agent
+    message, buffers, kv = _put_frame(1)
+    a.answer(message, buffers)
+    reply, _ = recv_frame(peer)
+    assert reply == {"id": 1, "ok": True, "result": None}
+    assert torch.equal(a.client.puts[0][1], kv)
+    assert buffers == [], "the frame's buffer is released before the trim, not when the pool drops the call"
+    assert trims == [0] and a.heap_trims == 1
+
+    # a burst inside the interval: one trailing trim armed (for when it ends, 4 s after the
+    # second put), none per put
+    for i in (2, 3, 4):
+        now[0] += 1.0
+        a.answer(*_put_frame(i)[:2])
+        recv_frame(peer)
+    assert trims == [0] and len(timers) == 1 and timers[0].delay_s == pytest.approx(4.0)
+    timers[0].fn()  # the interval ended: the agent went idle after the burst
+    assert trims == [0, 0] and a.heap_trims == 2
+
+
+def test_lookups_do_not_trim_and_stats_report_the_trims(agent):
+    a, peer, trims, timers, _ = agent
+    a.answer({"id": 7, "op": "lookup", "keys": [str(make_key(4200))]}, [])
+    assert recv_frame(peer)[0] == {"id": 7, "ok": True, "result": [None]}
+    assert trims == [] and timers == []
+    a.answer(*_put_frame(8)[:2])
+    recv_frame(peer)
+    a.answer({"id": 9, "op": "stats"}, [])
+    stats = recv_frame(peer)[0]["result"]
+    assert stats["heap_trims"] == 1 and stats["client"] == {"puts": 1}
+
+
+def test_a_failed_put_still_frees_its_buffer_and_trims(agent):
+    a, peer, trims, _, _ = agent
+
+    def broken_put(key, kv, positions):
+        raise MemoryError("object store full")
+
+    a.client.put = broken_put
+    message, buffers, _ = _put_frame(11)
+    a.answer(message, buffers)
+    reply, _ = recv_frame(peer)
+    assert reply["ok"] is False and "MemoryError" in reply["error"]
+    assert buffers == [] and trims == [0]
