@@ -33,17 +33,22 @@ that moved (``lookup_timeouts``, ``read_errors``, ``breaker_open`` ...), and ``w
 ``--soak SECONDS`` then switches faults on and off at random (:func:`soak`): the faults that
 can be lifted (Redis black-holed, S3 slowed, the shard SIGSTOPped, or none), each for
 :data:`PHASE_S` seconds (uniform), requests going one at a time, each a random prompt of the
-bench at ratio 1.0 compared with its full-prefill output. A warm-up (every prompt once, every
-fault once for :data:`PHASE_S`'s maximum, then no fault until :data:`WARMUP_FRACTION` of the
-time) ends with the RSS baseline of every process of the rig; the same is read at the end.
-The warm-up's long faults fill the bounded buffers a fault fills (puts held for a stopped
-shard, ``MAX_PENDING_PUT_BYTES``, on top of a full host tier: the Ray object store pages the
-shard and the node's agent map, RSS they keep), so growth after the baseline is not their
-first filling. Both readings are taken at rest, :data:`SETTLE_S` after the last request
-(past the worker's trailing heap trim, :mod:`cluster.vllm.heap`): a reading during a request
-catches the worker's heap anywhere in that request's life (its in-use heap swings by ~0.4
-GiB between loads: ``mallinfo2`` after each load of a 25-minute soak). Target (issue 20):
-zero failed requests, zero wrong outputs, every process's RSS at the end <= its baseline + 10%.
+bench at ratio 1.0 compared with its full-prefill output. A warm-up comes first: every prompt
+once, then rounds of every soak fault for :data:`PHASE_S`'s maximum until a round in which no
+process's shared memory grew by more than :data:`SHMEM_SETTLED_MIB` (at most
+:data:`WARMUP_MAX_ROUNDS`). It fills the bounded buffers a fault fills (puts held for a stopped
+shard, ``MAX_PENDING_PUT_BYTES``, on top of a full host tier) and lets every process that maps
+the node's Ray object store touch its pages up to the store's high-water mark: Linux counts a
+shared page in the RSS of each process that touched it, and the cache agent, which maps objects
+wherever the store's allocator placed them, reached the shard's 1455 MiB only after 381 s of
+the 2026-12-03 soak (a baseline at 208 s read 1195 MiB). Growth after the baseline is then not
+a bounded store's first filling. The RSS baseline of every process of the rig is read after
+the warm-up, then the faults switch for ``SECONDS``, and the same is read at the end. Both
+readings are taken at rest, :data:`SETTLE_S` after the last request (past the worker's trailing
+heap trim, :mod:`cluster.heap`): a reading during a request catches the worker's heap
+anywhere in that request's life (its in-use heap swings by ~0.4 GiB between loads:
+``mallinfo2`` after each load of a 25-minute soak). Target (issue 20): zero failed requests,
+zero wrong outputs, every process's RSS at the end <= its baseline + 10%.
 """
 
 from __future__ import annotations
@@ -64,10 +69,13 @@ ROWS = ("no_fault", "redis_blackhole", "s3_throttled", "shard_sigstop", "corrupt
 SOAK_FAULTS = ("none", "redis_blackhole", "s3_throttled", "shard_sigstop")
 #: seconds one phase lasts: uniform in this range
 PHASE_S = (10.0, 40.0)
-#: share of the soak run without faults before the RSS baseline
-WARMUP_FRACTION = 0.1
+#: warm-up rounds (every soak fault for PHASE_S's maximum) at most
+WARMUP_MAX_ROUNDS = 6
+#: MiB: the warm-up ends after a round in which no process's shared memory (RssShmem: the
+#: Ray object-store pages it touched) grew by more than this
+SHMEM_SETTLED_MIB = 8.0
 #: seconds without a request before memory is read (the baseline, the end): past the worker's
-#: trailing heap trim, which runs cluster.vllm.heap.MIN_INTERVAL_S (5 s) after the last trim
+#: trailing heap trim, which runs cluster.heap.MIN_INTERVAL_S (5 s) after the last trim
 SETTLE_S = 7.0
 #: the RSS target: end <= baseline x this
 RSS_SLACK = 1.10
@@ -83,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of " + ",".join(ROWS))
     p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
-                   help="then switch faults on and off at random for this long (0: no soak)")
+                   help="then warm up and switch faults on and off at random for this long (0: no soak)")
     p.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
     p.add_argument("--workdir", default="", help="logs, disk tier, events (default: a temporary directory)")
 
@@ -209,17 +217,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int, seed: int = 0) -> dict:
-    """Run the soak on ``rig`` for ``seconds`` with ``pool`` (``(prompt ids, reference text)``);
-    returns ``seconds``, ``requests``, ``failed_requests``, ``wrong_outputs``, ``phases``
-    (count per fault), ``rss_mib`` and ``anon_mib`` (per process: ``[baseline, end, end /
-    baseline]`` of RSS and of its private-heap part), ``timeline`` (each process's memory,
-    :meth:`FaultRig.process_memory_mib`, after the warm-up and after every phase) and
-    ``rss_within_10pct``."""
+    """Warm ``rig`` up, then run the soak for ``seconds`` with ``pool`` (``(prompt ids,
+    reference text)``); returns ``seconds`` (after the baseline), ``warmup_s``,
+    ``warmup_shmem_growth_mib`` (per warm-up round, each process's shared-memory growth),
+    ``warmup_settled`` (the last round grew none by more than :data:`SHMEM_SETTLED_MIB`),
+    ``requests``, ``failed_requests``, ``wrong_outputs`` (warm-up included), ``phases`` (count
+    per fault after the baseline), ``rss_mib`` and ``anon_mib`` (per process: ``[baseline, end,
+    end / baseline]`` of RSS and of its private-heap part), ``timeline`` (each process's memory,
+    :meth:`FaultRig.process_memory_mib`, after each warm-up round, at the baseline and after
+    every phase) and ``rss_within_10pct``."""
     from cluster.bench.fault_setup import S3_DELAY_S, fault, send
 
     rng = random.Random(seed)
     start = time.monotonic()
-    end = start + seconds
     totals = {"requests": 0, "failed_requests": 0, "wrong_outputs": 0}
     phases: dict[str, int] = {}
 
@@ -230,20 +240,30 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
             for k in totals:
                 totals[k] += got[k]
 
-    # warm-up: every prompt once and every fault once for the longest phase (the bounded
-    # buffers a fault fills, e.g. puts waiting for a stopped shard, fill here), then
-    # fault-free to WARMUP_FRACTION
+    # warm-up: every prompt once, then rounds of every fault for the longest phase until the
+    # shared memory of every process stopped growing (module docstring)
     for ids, ref in pool:
         got = send(rig, [ids], [ref], max_tokens, {"kvblend_recompute_ratio": 1.0})
         for k in totals:
             totals[k] += got[k]
-    for row in SOAK_FAULTS[1:]:
-        with fault(rig, row, [], s3_delay_s=S3_DELAY_S):
-            send_until(time.monotonic() + PHASE_S[1])
-    send_until(start + seconds * WARMUP_FRACTION)
+    timeline, rounds = [], []
+    before = rig.process_memory_mib()
+    for r in range(WARMUP_MAX_ROUNDS):
+        for row in SOAK_FAULTS:
+            with fault(rig, "no_fault" if row == "none" else row, [], s3_delay_s=S3_DELAY_S):
+                send_until(time.monotonic() + PHASE_S[1])
+        after = rig.process_memory_mib()
+        timeline.append({"t_s": round(time.monotonic() - start), "row": f"warmup-{r + 1}", "mib": _rounded(after)})
+        grew = {name: round(after[name]["shmem"] - before[name]["shmem"], 1) for name in after if name in before}
+        rounds.append(grew)
+        before = after
+        if max(grew.values(), default=0.0) <= SHMEM_SETTLED_MIB:
+            break
     time.sleep(SETTLE_S)
     baseline = rig.process_memory_mib()
-    timeline = [{"t_s": round(time.monotonic() - start), "row": "baseline", "mib": _rounded(baseline)}]
+    warmup_s = time.monotonic() - start
+    timeline.append({"t_s": round(warmup_s), "row": "baseline", "mib": _rounded(baseline)})
+    end = time.monotonic() + seconds
     while time.monotonic() < end:
         row = rng.choice(SOAK_FAULTS)
         phase_end = min(end, time.monotonic() + rng.uniform(*PHASE_S))
@@ -261,7 +281,10 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
     anon = {name: [round(baseline[name]["anon"], 1), round(final[name]["anon"], 1),
                    round(final[name]["anon"] / baseline[name]["anon"], 3)]
             for name in baseline if name in final and baseline[name]["anon"] > 0}
-    return {"seconds": time.monotonic() - start, **totals, "phases": phases, "rss_mib": rss, "anon_mib": anon,
+    return {"seconds": time.monotonic() - start - warmup_s, "warmup_s": warmup_s,
+            "warmup_shmem_growth_mib": rounds,
+            "warmup_settled": max(rounds[-1].values(), default=0.0) <= SHMEM_SETTLED_MIB,
+            **totals, "phases": phases, "rss_mib": rss, "anon_mib": anon,
             "processes_gone": sorted(set(baseline) - set(final)), "timeline": timeline,
             "rss_within_10pct": all(r[2] <= RSS_SLACK for r in rss.values()) and set(baseline) <= set(final)}
 
@@ -282,7 +305,9 @@ def _print(out: dict) -> None:
               f"{r['ttft_p50_s']:7.3f} {r['ttft_p99_s']:7.3f} {hits:>7s} {ok}")
     if "soak" in out:
         s = out["soak"]
-        print(f"soak {s['seconds']:.0f} s: {s['requests']} requests, {s['failed_requests']} failed, "
+        print(f"soak: warm-up {s['warmup_s']:.0f} s ({len(s['warmup_shmem_growth_mib'])} rounds, shared memory "
+              f"{'settled' if s['warmup_settled'] else 'NOT settled'}), then {s['seconds']:.0f} s; "
+              f"{s['requests']} requests, {s['failed_requests']} failed, "
               f"{s['wrong_outputs']} wrong; RSS within +10%: {s['rss_within_10pct']}")
         for name, (b, e, r) in s["rss_mib"].items():
             a = s["anon_mib"].get(name)
