@@ -42,6 +42,14 @@ def ray_redis_cache(redis_server, tmp_path_factory):
         yield load_config(environ={}, overrides=overrides), name
 
 
+def wait_gone(pid: int, timeout_s: float = 60.0) -> None:
+    """Until process ``pid`` has exited (a hang guard: ``psutil.TimeoutExpired`` after ``timeout_s``)."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pid).wait(timeout=timeout_s)
+
+
 def _use_client(llm, client, monkeypatch) -> None:
     """Route the engine's scheduler lookups and worker reads and stores through ``client``;
     no gpu tier (every layer is read from the client)."""
@@ -94,6 +102,9 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
                     frozen.enter_context(sigstopped(pid))
             else:
                 ray.kill(handle, no_restart=False)
+                # ray.kill only asks: wait until the process is gone, or this read can still
+                # reach the old shard (the test then saw no shard error, run alone)
+                wait_gone(old_pid)
                 if redis is not None:
                     redis.kill()
         return real_fetch(keys, layer_idx)
@@ -129,7 +140,10 @@ def test_shard_killed_during_a_load_reads_redis(blend_llm, blend_stats_path, tok
     config, shard = ray_redis_cache
     out, load, fallbacks, ids, counters = _blend_with_faults(blend_llm, blend_stats_path, tokenizer, config,
                                                              shard, monkeypatch, 1500)
-    assert load["num_hit_segments"] == 3 and not load["fallback"] and fallbacks == 0, load
+    # every chunk segment blended hit: the three passages, and the system prompt too when vLLM's
+    # own prefix cache did not already hold it (an earlier test's request left it there)
+    assert load["num_hit_segments"] == load["num_segments"] >= 3, load
+    assert not load["fallback"] and fallbacks == 0, load
     assert counters["shard_errors"] + counters["timeouts"] >= 1 and counters["direct_reads"] >= 1, counters
     assert_matches_full(out, generate(blend_llm, ids, FULL))
 
