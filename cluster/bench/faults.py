@@ -34,9 +34,9 @@ that moved (``lookup_timeouts``, ``read_errors``, ``breaker_open`` ...), and ``w
 can be lifted (Redis black-holed, S3 slowed, the shard SIGSTOPped, or none), each for
 :data:`PHASE_S` seconds (uniform), requests going one at a time, each a random prompt of the
 bench at ratio 1.0 compared with its full-prefill output. A warm-up comes first: every prompt
-once, then rounds of every soak fault for :data:`PHASE_S`'s maximum until a round in which no
-process's shared memory grew by more than :data:`SHMEM_SETTLED_MIB` (at most
-:data:`WARMUP_MAX_ROUNDS`). It fills the bounded buffers a fault fills (puts held for a stopped
+once, then rounds of every soak fault for :data:`PHASE_S`'s maximum (the shard stopped for
+:data:`WARMUP_STOP_S`) until a round in which no process's shared memory grew by more than
+:data:`SHMEM_SETTLED_MIB` (at most :data:`WARMUP_MAX_ROUNDS`). It fills the bounded buffers a fault fills (puts held for a stopped
 shard, ``MAX_PENDING_PUT_BYTES``, on top of a full host tier) and lets every process that maps
 the node's Ray object store touch its pages up to the store's high-water mark: Linux counts a
 shared page in the RSS of each process that touched it, and the cache agent, which maps objects
@@ -71,6 +71,12 @@ SOAK_FAULTS = ("none", "redis_blackhole", "s3_throttled", "shard_sigstop")
 PHASE_S = (10.0, 40.0)
 #: warm-up rounds (every soak fault for PHASE_S's maximum) at most
 WARMUP_MAX_ROUNDS = 6
+#: seconds the shard stays stopped in each warm-up round: long enough for the puts held for it
+#: to reach the client's bound (MAX_PENDING_PUT_BYTES) on top of a full host tier, the object
+#: store's most (in the 2026-12-03 soak two stops back to back, 71 s, raised the store's
+#: high-water mark from 1394 to 1522 MiB, the host tier's 1 GiB + 512 MiB of puts; one 40-s
+#: stop had not)
+WARMUP_STOP_S = 120.0
 #: MiB: the warm-up ends after a round in which no process's shared memory (RssShmem: the
 #: Ray object-store pages it touched) grew by more than this
 SHMEM_SETTLED_MIB = 8.0
@@ -251,7 +257,7 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
     for r in range(WARMUP_MAX_ROUNDS):
         for row in SOAK_FAULTS:
             with fault(rig, "no_fault" if row == "none" else row, [], s3_delay_s=S3_DELAY_S):
-                send_until(time.monotonic() + PHASE_S[1])
+                send_until(time.monotonic() + (WARMUP_STOP_S if row == "shard_sigstop" else PHASE_S[1]))
         after = rig.process_memory_mib()
         timeline.append({"t_s": round(time.monotonic() - start), "row": f"warmup-{r + 1}", "mib": _rounded(after)})
         grew = {name: round(after[name]["shmem"] - before[name]["shmem"], 1) for name in after if name in before}

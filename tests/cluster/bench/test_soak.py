@@ -38,6 +38,7 @@ def _baseline_index(log):
 @pytest.fixture
 def fast(monkeypatch):
     monkeypatch.setattr(faults, "PHASE_S", (0.01, 0.02))
+    monkeypatch.setattr(faults, "WARMUP_STOP_S", 0.03)
     monkeypatch.setattr(faults, "SETTLE_S", 0.125)
 
 
@@ -78,6 +79,9 @@ def test_soak_reads_the_baseline_after_every_fault_and_at_rest(monkeypatch, fast
     assert out["rss_mib"]["worker"] == [3000.0, 3100.0, 1.033]
     assert out["rss_within_10pct"] is True
     assert out["warmup_settled"] is True and len(out["warmup_shmem_growth_mib"]) == 1
+    # the warm-up stops the shard for WARMUP_STOP_S (the put window fills): requests run then
+    stop = warmup.index("fault:shard_sigstop")
+    assert "send" in warmup[stop + 1:]
     assert [e["row"] for e in out["timeline"][:2]] == ["warmup-1", "baseline"]
 
 
