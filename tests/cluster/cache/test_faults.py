@@ -1,7 +1,9 @@
-"""Faults: a shard killed during reads, restarted with its disk chunks; corrupted objects."""
+"""Faults: a shard killed during reads, restarted with its disk chunks; a ref whose owner died
+(Ray PR #63694); corrupted objects."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.factories import make_key, shard_kv
+from tests.factories import NAMESPACE, make_key, returns_within, shard_kv
 
 pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
 
@@ -95,6 +97,54 @@ def test_kill_shard_during_reads_then_disk_chunks_found(client, kvconfig, shards
     assert st["counters"]["promotions"] >= len(victim_keys)
     assert st["counters"]["hits_disk"] >= 1 and st["counters"]["prefetch_started"] >= 1
     assert st["tiers"]["disk"]["num_chunks"] >= len(victim_keys)
+
+
+def test_a_ref_whose_owner_died_is_a_miss_within_the_call_deadline(client, kvconfig, shards, monkeypatch):
+    """Ray PR #63694 (``ray.get`` of a ref whose owner died could hang): a reader holds the
+    chunks' ``ObjectRef``\\ s from the owning shard's ``get_refs``, and the shard dies (its
+    process gone) before the reader gets them. The read returns within the call deadline
+    (``call_timeout_s``, 10 s here; the hang guard is 60 s), each of those chunks a miss or its
+    exact bytes, never an exception; the client counts the failed gets."""
+    import psutil
+    import ray
+
+    from cluster.cache.client import CacheClient
+    from cluster.cache.lifecycle import get_shard
+
+    keys = [make_key(6100 + i) for i in range(8)]
+    kvs = [shard_kv(6100 + i) for i in range(8)]
+    for k, kv in zip(keys, kvs, strict=True):
+        client.put(k, kv)
+    assert client.flush(60)
+    reader = CacheClient(kvconfig, namespace=NAMESPACE)  # nothing mapped yet: it asks for refs
+    assert all(m is not None for m in reader.lookup(keys))
+    victim = reader._meta[keys[0]].shard
+    victim_keys = [k for k in keys if reader._meta[k].shard == victim]
+    handle = get_shard(victim, kvconfig.cluster.ray_namespace)
+    old_pid = ray.get(handle.ready.remote(), timeout=60)["pid"]
+    try:
+        real_request_refs = reader._request_refs  # noqa: SLF001 - the seam between refs and gets
+        held: list[int] = []
+
+        def refs_then_owner_dies(ks, entries, arrays):
+            real_request_refs(ks, entries, arrays)
+            held.append(sum(e is not None and e.ref is not None for e in entries))
+            ray.kill(handle, no_restart=False)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(old_pid).wait(timeout=60)  # gone before the get starts
+
+        monkeypatch.setattr(reader, "_request_refs", refs_then_owner_dies)
+        got = returns_within(lambda: reader.fetch_layer(victim_keys, 1).result(60), hang_s=60.0,
+                             what="ray.get of refs whose owner died")
+        monkeypatch.undo()
+        assert held == [len(victim_keys)], "the reader held a ref for every chunk of the dead shard"
+        for k, g in zip(victim_keys, got, strict=True):
+            assert g is None or torch.equal(g, kvs[keys.index(k)][1])
+        misses = sum(g is None for g in got)
+        assert reader.counters["shard_errors"] >= misses and misses == reader.counters["layer_misses"]
+    finally:
+        reader.close()
+        _wait_ready(handle, old_pid)  # the session's shard serves the next tests
 
 
 def test_corrupted_put_is_rejected_and_foreign_object_is_a_miss(client, kvconfig, shards):
