@@ -102,9 +102,9 @@ def test_kill_shard_during_reads_then_disk_chunks_found(client, kvconfig, shards
 def test_a_ref_whose_owner_died_is_a_miss_within_the_call_deadline(client, kvconfig, shards, monkeypatch):
     """Ray PR #63694 (``ray.get`` of a ref whose owner died could hang): a reader holds the
     chunks' ``ObjectRef``\\ s from the owning shard's ``get_refs``, and the shard dies (its
-    process gone) before the reader gets them. The read returns within the call deadline
-    (``call_timeout_s``, 10 s here; the hang guard is 60 s), each of those chunks a miss or its
-    exact bytes, never an exception; the client counts the failed gets."""
+    process gone) before the reader gets them. The read returns (the client's get waits at most
+    ``call_timeout_s``, 10 s here; a 60-s hang guard is the only timing), each of those chunks a
+    miss or its exact bytes, never an exception; the client counts the failed gets."""
     import psutil
     import ray
 
