@@ -231,7 +231,8 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
     per fault after the baseline), ``rss_mib`` and ``anon_mib`` (per process: ``[baseline, end,
     end / baseline]`` of RSS and of its private-heap part), ``timeline`` (each process's memory,
     :meth:`FaultRig.process_memory_mib`, after each warm-up round, at the baseline and after
-    every phase) and ``rss_within_10pct``."""
+    every phase), ``processes_unmeasured`` (seen in the first reading, missing from the
+    baseline or the end) and ``rss_within_10pct`` (false when any process is unmeasured)."""
     from cluster.bench.fault_setup import S3_DELAY_S, fault, send
 
     rng = random.Random(seed)
@@ -254,6 +255,7 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
             totals[k] += got[k]
     timeline, rounds = [], []
     before = rig.process_memory_mib()
+    first = set(before)  # the rig's processes: each must be read at the baseline and the end
     for r in range(WARMUP_MAX_ROUNDS):
         for row in SOAK_FAULTS:
             with fault(rig, "no_fault" if row == "none" else row, [], s3_delay_s=S3_DELAY_S):
@@ -291,8 +293,11 @@ def soak(rig, pool: list[tuple[list[int], str]], seconds: float, max_tokens: int
             "warmup_shmem_growth_mib": rounds,
             "warmup_settled": max(rounds[-1].values(), default=0.0) <= SHMEM_SETTLED_MIB,
             **totals, "phases": phases, "rss_mib": rss, "anon_mib": anon,
-            "processes_gone": sorted(set(baseline) - set(final)), "timeline": timeline,
-            "rss_within_10pct": all(r[2] <= RSS_SLACK for r in rss.values()) and set(baseline) <= set(final)}
+            "processes_gone": sorted(set(baseline) - set(final)),
+            # e.g. a shard that did not answer `kvblend status` when memory was read
+            "processes_unmeasured": sorted(first - (set(baseline) & set(final))), "timeline": timeline,
+            "rss_within_10pct": (all(r[2] <= RSS_SLACK for r in rss.values()) and set(baseline) <= set(final)
+                                 and first <= set(baseline))}
 
 
 def _rounded(mem: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

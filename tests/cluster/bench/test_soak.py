@@ -130,3 +130,15 @@ def test_soak_misses_the_rss_target_when_a_process_is_gone(monkeypatch, fast):
     out = faults.soak(rig, [([1], "a")], seconds=0.2, max_tokens=4)
     assert out["processes_gone"] == ["shard"]
     assert out["rss_within_10pct"] is False
+
+
+def test_soak_misses_the_rss_target_when_a_process_was_not_read_at_the_baseline(monkeypatch, fast):
+    # the shard answered the first reading, then not (a status call that timed out): its RSS
+    # is not compared, so the target is not met
+    unread = _mem(3000.0)
+    del unread["shard"]
+    rig = _Rig([_mem(3000.0), unread, unread, unread])
+    _wire(monkeypatch, rig)
+    out = faults.soak(rig, [([1], "a")], seconds=0.2, max_tokens=4)
+    assert "shard" not in out["rss_mib"] and out["processes_unmeasured"] == ["shard"]
+    assert out["rss_within_10pct"] is False
