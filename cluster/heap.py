@@ -20,9 +20,9 @@ in it through gdb gave the 55 MiB back).
 :class:`HeapTrimmer` calls glibc's ``malloc_trim(0)`` (which also returns free pages inside
 the arenas, not only at their top) at most once every ``min_interval_s`` seconds, when the
 process asks (a request finished, a large buffer was freed). A request inside the interval is
-not dropped: one trailing trim runs on a timer thread when the interval ends, so a worker that goes idle right
-after a burst (vLLM stops calling the connector when no request runs) still hands its freed
-heap back. Where libc has no ``malloc_trim`` (musl, macOS) it does nothing. Called by
+not dropped: one trailing trim runs on a timer thread when the interval ends, so a worker that
+goes idle right after a burst (vLLM stops calling the connector when no request runs) still
+hands its freed heap back. Where libc has no ``malloc_trim`` (musl, macOS) it does nothing. Called by
 :meth:`cluster.vllm.worker.KVBlendWorker.get_finished` on the thread that runs the model,
 between engine steps (:meth:`HeapTrimmer.close` from the worker's shutdown), and by the cache
 agent after it answered a ``put`` or ``objects`` request, on the thread that answered.
@@ -40,7 +40,7 @@ from collections.abc import Callable
 log = logging.getLogger("kvblend.connector")
 
 #: seconds between two trims at most (a trim that returned 256 MiB of freed 1 MiB blocks took
-#: 6 ms on this machine: tests/cluster/vllm/test_heap.py)
+#: 6 ms on this machine: tests/cluster/test_heap.py)
 MIN_INTERVAL_S = 5.0
 
 

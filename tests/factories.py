@@ -262,6 +262,15 @@ def returns_within(fn, *args, hang_s: float = HANG_S, what: str = ""):
     return out[0] if out else None
 
 
+def wait_gone(pid: int, timeout_s: float = 60.0) -> None:
+    """Return once process ``pid`` has exited (``ray.kill`` only asks an actor to die); a
+    hang guard: ``psutil.TimeoutExpired`` after ``timeout_s`` seconds."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pid).wait(timeout=timeout_s)
+
+
 #: Object keys (tiers.auth) of the authentication tests: two, to sign under one and read under the other.
 OBJECT_KEY_A = "kvblend-test-object-key-A-0123456789"
 OBJECT_KEY_B = "kvblend-test-object-key-B-0123456789"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.factories import NAMESPACE, make_key, returns_within, shard_kv
+from tests.factories import NAMESPACE, make_key, returns_within, shard_kv, wait_gone
 
 pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
 
@@ -105,7 +104,6 @@ def test_a_ref_whose_owner_died_is_a_miss_within_the_call_deadline(client, kvcon
     process gone) before the reader gets them. The read returns (the client's get waits at most
     ``call_timeout_s``, 10 s here; a 60-s hang guard is the only timing), each of those chunks a
     miss or its exact bytes, never an exception; the client counts the failed gets."""
-    import psutil
     import ray
 
     from cluster.cache.client import CacheClient
@@ -130,8 +128,7 @@ def test_a_ref_whose_owner_died_is_a_miss_within_the_call_deadline(client, kvcon
             real_request_refs(ks, entries, arrays)
             held.append(sum(e is not None and e.ref is not None for e in entries))
             ray.kill(handle, no_restart=False)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(old_pid).wait(timeout=60)  # gone before the get starts
+            wait_gone(old_pid)  # gone before the get starts
 
         monkeypatch.setattr(reader, "_request_refs", refs_then_owner_dies)
         got = returns_within(lambda: reader.fetch_layer(victim_keys, 1).result(60), hang_s=60.0,

@@ -27,6 +27,7 @@ from tests.cluster.vllm.helpers import (
     wait_restarted,
     wait_stored,
 )
+from tests.factories import wait_gone
 
 pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
 
@@ -40,14 +41,6 @@ def ray_redis_cache(redis_server, tmp_path_factory):
                             redis_url=redis_server.url, call_timeout_s=3.0) as (overrides, names):
         (name,) = names
         yield load_config(environ={}, overrides=overrides), name
-
-
-def wait_gone(pid: int, timeout_s: float = 60.0) -> None:
-    """Until process ``pid`` has exited (a hang guard: ``psutil.TimeoutExpired`` after ``timeout_s``)."""
-    import psutil
-
-    with contextlib.suppress(psutil.NoSuchProcess):
-        psutil.Process(pid).wait(timeout=timeout_s)
 
 
 def _use_client(llm, client, monkeypatch) -> None:
