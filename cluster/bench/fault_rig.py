@@ -3,8 +3,9 @@ with a fault injector (:mod:`cluster.workloads.faults`) in front of each.
 
 * ``redis-server`` and an S3 server (moto), each behind a :class:`~cluster.workloads.faults.TcpProxy`
   (``pass`` until a fault switches it);
-* a local Ray cluster with one shard by ``kvblend server`` (host memory, a disk tier, then
-  Redis and S3 through the proxies), configured through ``KVBLEND_*`` variables;
+* a private local Ray cluster with one shard by ``kvblend server``
+  (:class:`~cluster.workloads.local_ray.LocalRay`: host memory, a disk tier, then Redis and S3
+  through the proxies), configured through ``KVBLEND_*`` variables, reached by its address;
 * the passages' canonical KV stored by :func:`cluster.workloads.ingest.ingest_passages`
   through :func:`cluster.cache.factory.make_client` (``kvblend ingest``'s path), then the
   shards restarted (``kvblend stop`` + ``kvblend server``: host memory empty, so every chunk
@@ -25,7 +26,8 @@ import logging
 import os
 import time
 
-from cluster.workloads.replicas import kvblend_cli, stop_local_cluster
+from cluster.workloads.local_ray import LocalRay
+from cluster.workloads.replicas import kvblend_cli
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,12 @@ class FaultRig:
                          if k != "redis_url"})
 
     def _start_cluster(self) -> None:
-        kvblend_cli("server", "--address", "local", env=self.env, timeout_s=600)
-        self._stack.callback(stop_local_cluster, self.env)
+        # a private head, its address pinned in self.env (RAY_ADDRESS): another Ray head started
+        # on this machine during the bench cannot redirect the rig's `kvblend` commands
+        self.ray = LocalRay(env=self.env)
+        self._stack.callback(self.ray.stop)
+        self.ray.start()
+        self.env = self.ray.env
 
     def restart_shards(self, while_stopped=None) -> None:
         """``kvblend stop``, ``while_stopped()`` (when given), then ``kvblend server``: host
@@ -100,7 +106,7 @@ class FaultRig:
         """One ``vllm serve`` with the connector on every core, events to ``events_path``."""
         from cluster.workloads.replicas import replica_cpus, start_replica, wait_ready
 
-        extra = {"ray_address": "auto", "stats_path": self.events_path}
+        extra = {"ray_address": self.ray.address, "stats_path": self.events_path}
         self.replica = start_replica("faults", self.model_path, connector_extra=extra, log_dir=self.workdir,
                                      env=self.env, cpus=replica_cpus(0, 1))
         self._stack.callback(self.replica.stop)

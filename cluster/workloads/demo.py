@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 from cluster.vllm.events import read_events
 from cluster.workloads.demo_report import ModeResult, Steps, connector_summary, write_report
-from cluster.workloads.replicas import kvblend_cli, stop_local_cluster
+from cluster.workloads.local_ray import LocalRay
+from cluster.workloads.replicas import kvblend_cli
 
 log = logging.getLogger("kvblend.demo")
 
@@ -184,7 +185,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         if "kvblend" in modes and not ray_address:
             cluster = _ClusterStart(args, demo.workdir)  # Ray and shards start beside the baseline engine
-            ray_address = "auto"
         baselines = [m for m in ("full", "vllm_prefix") if m in modes]
         if baselines:
             results.update(_run_baselines(baselines, demo, args.max_tokens, steps,
@@ -193,13 +193,14 @@ def run(args: argparse.Namespace) -> int:
             if cluster is not None:
                 with steps("cluster start (rest)"):
                     cluster.wait()
+                ray_address = cluster.ray.address
             results["kvblend"], ingest = _run_kvblend(args, demo, ray_address, steps)
     finally:
         if cluster is not None:
             with contextlib.suppress(Exception):  # its error, if any, was raised above
                 cluster.wait()
             if not args.keep:
-                stop_local_cluster()
+                cluster.ray.stop()  # its own processes only
     meta = {"dataset": args.dataset, "num_queries": args.num_queries, "passages_per_query": args.passages_per_query,
             "mean_prompt_tokens": demo.mean_prompt_tokens, "modes": modes,
             "elapsed_s": time.perf_counter() - t_start, "steps": steps.rows,
@@ -207,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
     if ingest is not None:
         meta["ingest"] = {"passages": ingest.passages, "stored": ingest.stored, "tokens": ingest.tokens,
                           "seconds": ingest.seconds, "tokens_per_s": ingest.tokens_per_s}
-    write_report(demo.json_path, demo.png_path, results, demo.golds, meta,
-                 kept_cluster=bool(cluster is not None and args.keep))
+    kept = cluster.ray.address if cluster is not None and args.keep else ""
+    write_report(demo.json_path, demo.png_path, results, demo.golds, meta, kept_address=kept)
     return 0
 
 
@@ -294,16 +295,17 @@ def _run_baselines(modes: list[str], demo: _Demo, max_tokens: int, steps: Steps,
 
 
 class _ClusterStart:
-    """Step 3's cluster, started in a thread: ``kvblend server`` (local Ray + shards) on an
-    emptied disk tier. :meth:`wait` joins it and raises what it raised."""
+    """Step 3's cluster, started in a thread: a private local Ray head and shards
+    (:class:`cluster.workloads.local_ray.LocalRay`) on an emptied disk tier. :meth:`wait` joins
+    it and raises what it raised; then :attr:`ray` has its address."""
 
     def __init__(self, args: argparse.Namespace, workdir: str) -> None:
         shutil.rmtree(os.path.join(workdir, "disk"), ignore_errors=True)
-        self._argv = ["server", "--host-size-gib", str(args.host_size_gib), "--disk-path", os.path.join(workdir, "disk")]
+        argv = ["--host-size-gib", str(args.host_size_gib), "--disk-path", os.path.join(workdir, "disk")]
         if args.s3_url:
-            self._argv += ["--s3-url", args.s3_url]
+            argv += ["--s3-url", args.s3_url]
         # the Redis URL may carry a password: through the environment, never the child's argv
-        self._env = {"KVBLEND_REDIS_URL": args.redis_url} if args.redis_url else None
+        self.ray = LocalRay(argv, env={"KVBLEND_REDIS_URL": args.redis_url} if args.redis_url else None)
         self._error: BaseException | None = None
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._start, name="kvblend-demo-cluster", daemon=True)
@@ -311,8 +313,8 @@ class _ClusterStart:
 
     def _start(self) -> None:
         try:
-            kvblend_cli(*self._argv, env=self._env)
-            print(f"cluster: local Ray + shards up in {time.perf_counter() - self._t0:.1f} s")
+            self.ray.start()
+            print(f"cluster: local Ray at {self.ray.address} + shards up in {time.perf_counter() - self._t0:.1f} s")
         except BaseException as e:  # noqa: BLE001 - raised again by wait()
             self._error = e
 
@@ -368,7 +370,7 @@ def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
         for r in reps:
             r.stop()
     res.extra = connector_summary(read_events(stats_path)[mark.get("n", 0):])
-    status = kvblend_cli("status", "--json", check=False)
+    status = kvblend_cli("status", "--json", "--address", ray_address, check=False)
     if status.returncode == 0:
         try:
             res.extra["shards"] = json.loads(status.stdout)

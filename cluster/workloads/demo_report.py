@@ -118,9 +118,10 @@ def connector_summary(events: list[dict]) -> dict:
 
 
 def write_report(path_json: str, path_png: str, results: dict[str, ModeResult], golds, meta: dict,
-                 *, kept_cluster: bool) -> dict:
+                 *, kept_address: str = "") -> dict:
     """The summary per mode plus ``meta`` as ``_meta``: written to ``path_json``, printed as a
-    table, the TTFT plot to ``path_png``; then what to look at next. Returns the summary."""
+    table, the TTFT plot to ``path_png``; then what to look at next (``kept_address``: the Ray
+    address of the cluster ``--keep`` left up, "" when none). Returns the summary."""
     full = results.get("full")
     summary: dict = {m: r.summary(full, golds) for m, r in results.items()}
     summary["_meta"] = meta
@@ -128,7 +129,7 @@ def write_report(path_json: str, path_png: str, results: dict[str, ModeResult], 
         json.dump(summary, fh, indent=2)
     _plot(results, path_png)
     print_table(summary)
-    _print_next(path_json, path_png, kept_cluster=kept_cluster)
+    _print_next(path_json, path_png, kept_address=kept_address)
     return summary
 
 
@@ -180,12 +181,12 @@ def dashboard_token_hint() -> str:
     return "token: `ray get-auth-token` prints it"
 
 
-def _print_next(path_json: str, path_png: str, *, kept_cluster: bool) -> None:
+def _print_next(path_json: str, path_png: str, *, kept_address: str) -> None:
     print("next:")
     print(f"  numbers: {path_json}; TTFT plot: {path_png}")
-    if kept_cluster:
-        print(f"  the cluster is still up: `kvblend status`; Ray dashboard {DASHBOARD_URL} "
-              f"({dashboard_token_hint()}); `kvblend stop && ray stop` ends it")
+    if kept_address:  # a private head: `auto` does not find it, so the commands name it
+        print(f"  the cluster is still up: `export RAY_ADDRESS={kept_address}`, then `kvblend status`; "
+              f"Ray dashboard {DASHBOARD_URL} ({dashboard_token_hint()}); `kvblend stop && ray stop` ends it")
     else:
         print(f"  `kvblend demo --keep` leaves the cluster up for `kvblend status` and the Ray dashboard "
               f"{DASHBOARD_URL} ({dashboard_token_hint()})")

@@ -209,15 +209,3 @@ def kvblend_cli(*args: str, check: bool = True, env: dict[str, str] | None = Non
     if check and r.returncode != 0:
         raise RuntimeError(f"`kvblend {' '.join(args)}` failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
     return r
-
-
-def stop_local_cluster(env: dict[str, str] | None = None) -> None:
-    """Stop what ``kvblend server`` started here: this process's Ray connection first (else the
-    raylet's exit looks like a crash to it), the shards (``kvblend stop``), then Ray itself."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    kvblend_cli("stop", check=False, env=env, timeout_s=600)
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
-                   capture_output=True, timeout=120)

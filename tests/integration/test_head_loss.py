@@ -41,14 +41,9 @@ def _kill_head(temp_dir: str) -> int:
     shard workers under it): the head is lost, not stopped."""
     import psutil
 
-    victims = []
-    for p in psutil.process_iter(["cmdline"]):
-        if any(temp_dir in part for part in p.info["cmdline"] or ()):
-            victims.append(p)
-            try:
-                victims.extend(p.children(recursive=True))
-            except psutil.Error:
-                pass
+    from cluster.workloads.local_ray import ray_node_processes
+
+    victims = ray_node_processes(temp_dir)
     for p in victims:
         try:
             p.kill()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -120,7 +119,7 @@ def test_server_starts_its_own_ray_head(tmp_path):
     """``kvblend server --address local`` runs ``ray start --head`` (in a private temp dir)
     and exits, leaving Ray and the shards running; ``status`` and ``stop`` reach them. The
     head's processes are then ended by pid (found by their private temp dir), never by name."""
-    import psutil
+    from cluster.workloads.local_ray import end_ray_node
 
     temp_dir = f"/tmp/kvb5-{uuid.uuid4().hex[:6]}"
     ns = "kvblend-head-test"
@@ -139,13 +138,5 @@ def test_server_starts_its_own_ray_head(tmp_path):
         stop = kvblend("stop", "--address", started["address"], "--ray-namespace", ns)
         assert stop.returncode == 0 and "stopped 1 shard(s)" in stop.stdout
     finally:
-        mine = [p for p in psutil.process_iter(["pid", "cmdline"])
-                if any(temp_dir in part for part in (p.info["cmdline"] or []))]
-        for p in mine:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, alive = psutil.wait_procs(mine, timeout=10)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        end_ray_node(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)

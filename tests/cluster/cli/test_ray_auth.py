@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from cluster.workloads.local_ray import end_ray_node
 from cluster.workloads.services import free_port
 
 pytestmark = pytest.mark.slow
@@ -75,5 +76,5 @@ def test_server_requires_a_ray_token_on_a_fresh_machine(tmp_path):
         assert join.returncode != 0, join.stdout[-2000:]
         assert not (other / ".ray" / "auth_token").exists()
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        end_ray_node(temp_dir)  # this test's head only, never a machine-wide `ray stop`
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,138 @@
+"""A private local Ray cluster with kvblend shards, for the workloads that start their own
+(``kvblend demo``, ``kvblend bench faults``).
+
+Ray's ``"auto"`` address is the one in ``/tmp/ray/ray_current_cluster``, which the newest Ray
+head started on the machine overwrites. A workload that started a cluster and later reached it
+by ``"auto"`` (``kvblend status``, ``kvblend stop``, the connector's ``ray_address``) followed
+any head started after its own: on 2026-12-03 a test run during the soak of ``bench faults``
+started (and stopped) two heads, and every later ``kvblend status`` of the bench went to the
+test's dead cluster, so the shard's memory was never read. And its ``ray stop --force`` at the
+end ended every Ray cluster on the machine, an operator's included.
+
+:class:`LocalRay` therefore
+
+* starts the head with ``kvblend server --address local --temp-dir DIR`` (a fresh ``DIR``):
+  never joins a running cluster, and leaves ``/tmp/ray/ray_current_cluster`` alone, so no
+  other process's ``"auto"`` joins this one;
+* gives its address to everything the workload starts (:attr:`LocalRay.env` holds
+  ``RAY_ADDRESS`` and ``KVBLEND_RAY_ADDRESS``; :attr:`LocalRay.address` for a connector's
+  ``ray_address``);
+* stops only its own processes: ``kvblend stop``, then the processes whose command line names
+  ``DIR`` (GCS, raylet, dashboard, ...), SIGTERM then SIGKILL; never a machine-wide ``ray stop``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+from cluster.workloads.replicas import kvblend_cli
+
+log = logging.getLogger(__name__)
+
+#: seconds a stopped node's processes get between SIGTERM and SIGKILL
+STOP_GRACE_S = 10.0
+
+
+class LocalRay:
+    """A local Ray head in a private temp dir, with the shards of ``kvblend server``.
+
+    Args:
+        server_args: more ``kvblend server`` flags (sizes, paths; never secrets: those go in
+            ``env``).
+        env: variables for ``kvblend server``/``stop`` (``KVBLEND_*``, credentials); copied
+            into :attr:`env`, with the address added once started.
+
+    Use :meth:`start` and :meth:`stop` (idempotent), or as a context manager.
+    """
+
+    def __init__(self, server_args: tuple[str, ...] | list[str] = (), env: dict[str, str] | None = None) -> None:
+        self.server_args = list(server_args)
+        self.env: dict[str, str] = dict(env or {})
+        self.address = ""
+        self.shards: list[str] = []
+        # short, under /tmp: Ray puts its sockets below it (a socket path has at most 107 bytes)
+        self.temp_dir = tempfile.mkdtemp(prefix="kvbray-", dir="/tmp")
+
+    def start(self, timeout_s: float = 600.0) -> LocalRay:
+        """Run ``kvblend server --address local --temp-dir DIR``; sets :attr:`address`,
+        :attr:`shards`, and ``RAY_ADDRESS`` and ``KVBLEND_RAY_ADDRESS`` in :attr:`env`.
+
+        Raises:
+            RuntimeError: ``kvblend server`` failed (its output in the message).
+            subprocess.TimeoutExpired: it ran past ``timeout_s``.
+        """
+        r = kvblend_cli("server", "--address", "local", "--temp-dir", self.temp_dir, *self.server_args,
+                        env=self.env, timeout_s=timeout_s)
+        started = json.loads(r.stdout.strip().splitlines()[-1])
+        self.address, self.shards = started["address"], list(started["shards"])
+        # Ray's tools read RAY_ADDRESS; kvblend's config (ray_address) reads KVBLEND_RAY_ADDRESS
+        self.env.update(RAY_ADDRESS=self.address, KVBLEND_RAY_ADDRESS=self.address)
+        log.info("local Ray at %s (temp dir %s), shards %s", self.address, self.temp_dir, self.shards)
+        return self
+
+    def stop(self, timeout_s: float = 600.0) -> int:
+        """This process's connection to this cluster first (else the raylet's exit looks like a
+        crash to it; a connection to another cluster is left alone), the shards (``kvblend
+        stop``), then this cluster's processes. Returns how many processes were ended; the
+        temp dir is removed."""
+        import ray
+
+        if self.address and ray.is_initialized():
+            with contextlib.suppress(Exception):  # noqa: BLE001 - connected elsewhere, or half down
+                if ray.get_runtime_context().gcs_address == self.address:
+                    ray.shutdown()
+        if self.address:
+            kvblend_cli("stop", check=False, env=self.env, timeout_s=timeout_s)
+        n = end_ray_node(self.temp_dir)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        self.address = ""
+        return n
+
+    def __enter__(self) -> LocalRay:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ray_node_processes(temp_dir: str) -> list:
+    """The ``psutil.Process`` of every process whose command line names ``temp_dir`` (a Ray
+    node started with ``--temp-dir temp_dir``: GCS, raylet, dashboard, log monitor, ...), and
+    their children (the workers, whose titles no longer name it)."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if p.pid != os.getpid() and any(temp_dir in part for part in p.info["cmdline"] or ()):
+                found[p.pid] = p
+                found.update({c.pid: c for c in p.children(recursive=True)})
+    found.pop(os.getpid(), None)
+    return list(found.values())
+
+
+def end_ray_node(temp_dir: str, grace_s: float = STOP_GRACE_S) -> int:
+    """SIGTERM the processes of :func:`ray_node_processes`, SIGKILL those alive after
+    ``grace_s`` seconds; returns how many there were. Other Ray clusters on the machine are
+    not touched."""
+    import psutil
+
+    procs = ray_node_processes(temp_dir)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    return len(procs)
