@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards-per-node", type=int, help="shard actors per cache node")
     p.add_argument("--object-store-gib", type=float, help="Ray object store of a head started here, GiB")
     p.add_argument("--dashboard-port", type=int, default=None, help="Ray dashboard port of a head started here")
+    p.add_argument("--ray-client-server-port", type=int, default=None,
+                   help="Ray Client server port of a head started here (Ray's default 10001)")
     p.add_argument("--metrics-export-port", type=int, default=None,
                    help="Prometheus port of a head started here")
     p.add_argument("--no-dashboard", action="store_true", help="start the head without the dashboard")
@@ -103,6 +105,8 @@ def _start_head(cfg, args) -> tuple[str, str | None]:
         cmd.append(f"--dashboard-port={args.dashboard_port}")
     if args.metrics_export_port:
         cmd.append(f"--metrics-export-port={args.metrics_export_port}")
+    if args.ray_client_server_port:
+        cmd.append(f"--ray-client-server-port={args.ray_client_server_port}")
     if args.temp_dir:
         cmd.append(f"--temp-dir={args.temp_dir}")
     env, token_where = head_env(ray_exe, no_auth=args.no_auth)

@@ -208,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
     if ingest is not None:
         meta["ingest"] = {"passages": ingest.passages, "stored": ingest.stored, "tokens": ingest.tokens,
                           "seconds": ingest.seconds, "tokens_per_s": ingest.tokens_per_s}
-    kept = cluster.ray.address if cluster is not None and args.keep else ""
-    write_report(demo.json_path, demo.png_path, results, demo.golds, meta, kept_address=kept)
+    write_report(demo.json_path, demo.png_path, results, demo.golds, meta,
+                 kept=cluster.ray if cluster is not None and args.keep else None)
     return 0
 
 
@@ -304,6 +304,8 @@ class _ClusterStart:
         argv = ["--host-size-gib", str(args.host_size_gib), "--disk-path", os.path.join(workdir, "disk")]
         if args.s3_url:
             argv += ["--s3-url", args.s3_url]
+        if args.s3_endpoint_url:
+            argv += ["--s3-endpoint-url", args.s3_endpoint_url]
         # the Redis URL may carry a password: through the environment, never the child's argv
         self.ray = LocalRay(argv, env={"KVBLEND_REDIS_URL": args.redis_url} if args.redis_url else None)
         self._error: BaseException | None = None

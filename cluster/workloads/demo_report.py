@@ -22,8 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-#: Ray's dashboard of a local ``kvblend server`` (``ray start --head`` default port)
-DASHBOARD_URL = "http://127.0.0.1:8265"
+from cluster.workloads.local_ray import LocalRay, stop_hint
 
 
 @dataclass
@@ -118,10 +117,10 @@ def connector_summary(events: list[dict]) -> dict:
 
 
 def write_report(path_json: str, path_png: str, results: dict[str, ModeResult], golds, meta: dict,
-                 *, kept_address: str = "") -> dict:
+                 *, kept: LocalRay | None = None) -> dict:
     """The summary per mode plus ``meta`` as ``_meta``: written to ``path_json``, printed as a
-    table, the TTFT plot to ``path_png``; then what to look at next (``kept_address``: the Ray
-    address of the cluster ``--keep`` left up, "" when none). Returns the summary."""
+    table, the TTFT plot to ``path_png``; then what to look at next (``kept``: the cluster
+    ``--keep`` left up, None when none). Returns the summary."""
     full = results.get("full")
     summary: dict = {m: r.summary(full, golds) for m, r in results.items()}
     summary["_meta"] = meta
@@ -129,7 +128,7 @@ def write_report(path_json: str, path_png: str, results: dict[str, ModeResult], 
         json.dump(summary, fh, indent=2)
     _plot(results, path_png)
     print_table(summary)
-    _print_next(path_json, path_png, kept_address=kept_address)
+    _print_next(path_json, path_png, kept=kept)
     return summary
 
 
@@ -181,15 +180,16 @@ def dashboard_token_hint() -> str:
     return "token: `ray get-auth-token` prints it"
 
 
-def _print_next(path_json: str, path_png: str, *, kept_address: str) -> None:
+def _print_next(path_json: str, path_png: str, *, kept: LocalRay | None) -> None:
     print("next:")
     print(f"  numbers: {path_json}; TTFT plot: {path_png}")
-    if kept_address:  # a private head: `auto` does not find it, so the commands name it
-        print(f"  the cluster is still up: `export RAY_ADDRESS={kept_address}`, then `kvblend status`; "
-              f"Ray dashboard {DASHBOARD_URL} ({dashboard_token_hint()}); `kvblend stop && ray stop` ends it")
+    if kept is not None:  # a private head: `auto` does not find it, so the commands name it
+        dashboard = f"Ray dashboard {kept.dashboard_url} ({dashboard_token_hint()}); " if kept.dashboard_url else ""
+        print(f"  the cluster is still up: `kvblend status --address {kept.address}`; {dashboard}"
+              f"`{stop_hint(kept)}` ends it (that cluster only)")
     else:
         print(f"  `kvblend demo --keep` leaves the cluster up for `kvblend status` and the Ray dashboard "
-              f"{DASHBOARD_URL} ({dashboard_token_hint()})")
+              f"({dashboard_token_hint()})")
 
 
 def _fmt_rate(s: dict) -> str:

@@ -17,8 +17,13 @@ end ended every Ray cluster on the machine, an operator's included.
 * gives its address to everything the workload starts (:attr:`LocalRay.env` holds
   ``RAY_ADDRESS`` and ``KVBLEND_RAY_ADDRESS``; :attr:`LocalRay.address` for a connector's
   ``ray_address``);
-* stops only its own processes: ``kvblend stop``, then the processes whose command line names
-  ``DIR`` (GCS, raylet, dashboard, ...), SIGTERM then SIGKILL; never a machine-wide ``ray stop``.
+* takes free ports for its dashboard and Ray Client server (Ray's fixed 8265 and 10001 belong
+  to whichever cluster started first; a head whose dashboard port is taken does not start);
+* stops only its own processes: ``kvblend stop``, then this user's Ray processes whose command
+  line names ``DIR`` or this cluster's GCS address (GCS, raylet, dashboard, the Ray Client
+  server, ...) and their children, SIGTERM then SIGKILL; never a machine-wide ``ray stop``.
+  ``python -m cluster.workloads.local_ray stop DIR ADDRESS`` does the same for a cluster that
+  ``kvblend demo --keep`` left up.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 
 from cluster.workloads.replicas import kvblend_cli
+from cluster.workloads.services import free_port
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +61,30 @@ class LocalRay:
         self.server_args = list(server_args)
         self.env: dict[str, str] = dict(env or {})
         self.address = ""
+        self.dashboard_url = ""
         self.shards: list[str] = []
         # short, under /tmp: Ray puts its sockets below it (a socket path has at most 107 bytes)
         self.temp_dir = tempfile.mkdtemp(prefix="kvbray-", dir="/tmp")
 
     def start(self, timeout_s: float = 600.0) -> LocalRay:
-        """Run ``kvblend server --address local --temp-dir DIR``; sets :attr:`address`,
-        :attr:`shards`, and ``RAY_ADDRESS`` and ``KVBLEND_RAY_ADDRESS`` in :attr:`env`.
+        """Run ``kvblend server --address local --temp-dir DIR`` (free ports for the dashboard,
+        unless ``--no-dashboard`` or ``--dashboard-port`` is given, and the Ray Client server);
+        sets :attr:`address`, :attr:`dashboard_url` ("" without one), :attr:`shards`, and
+        ``RAY_ADDRESS`` and ``KVBLEND_RAY_ADDRESS`` in :attr:`env`.
 
         Raises:
             RuntimeError: ``kvblend server`` failed (its output in the message).
             subprocess.TimeoutExpired: it ran past ``timeout_s``.
         """
-        r = kvblend_cli("server", "--address", "local", "--temp-dir", self.temp_dir, *self.server_args,
+        ports = ["--ray-client-server-port", str(free_port())]
+        if not {"--no-dashboard", "--dashboard-port"} & set(self.server_args):
+            ports += ["--dashboard-port", str(free_port())]
+        r = kvblend_cli("server", "--address", "local", "--temp-dir", self.temp_dir, *ports, *self.server_args,
                         env=self.env, timeout_s=timeout_s)
         started = json.loads(r.stdout.strip().splitlines()[-1])
         self.address, self.shards = started["address"], list(started["shards"])
+        url = started.get("dashboard_url") or ""
+        self.dashboard_url = url if not url or "://" in url else f"http://{url}"
         # Ray's tools read RAY_ADDRESS; kvblend's config (ray_address) reads KVBLEND_RAY_ADDRESS
         self.env.update(RAY_ADDRESS=self.address, KVBLEND_RAY_ADDRESS=self.address)
         log.info("local Ray at %s (temp dir %s), shards %s", self.address, self.temp_dir, self.shards)
@@ -88,7 +103,7 @@ class LocalRay:
                     ray.shutdown()
         if self.address:
             kvblend_cli("stop", check=False, env=self.env, timeout_s=timeout_s)
-        n = end_ray_node(self.temp_dir)
+        n = end_ray_node(self.temp_dir, self.address)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         self.address = ""
         return n
@@ -104,29 +119,50 @@ class LocalRay:
         self.stop()
 
 
-def ray_node_processes(temp_dir: str) -> list:
-    """The ``psutil.Process`` of every process whose command line names ``temp_dir`` (a Ray
-    node started with ``--temp-dir temp_dir``: GCS, raylet, dashboard, log monitor, ...), and
-    their children (the workers, whose titles no longer name it)."""
+def ray_node_processes(temp_dir: str, address: str = "") -> list:
+    """The ``psutil.Process`` of this user's Ray processes of the node started with
+    ``--temp-dir temp_dir`` (an argument that is ``temp_dir``, ends with ``=temp_dir`` or holds a
+    path below it: GCS, raylet, dashboard, log monitor, ...) or, when ``address`` is given, an
+    argument ending with ``=address`` (the Ray Client server, which names neither), and their
+    children (the workers, whose titles name neither). A process is Ray's when an argument is
+    a path with a ``/ray/`` part or a ``ray.``/``ray::`` module or title. This process and its
+    parents are never listed. Without ``address``, the one ``ray start --head`` wrote in
+    ``temp_dir/ray_current_cluster`` (if any) is used."""
     import psutil
 
+    if not address:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(temp_dir, "ray_current_cluster")) as fh:
+                address = fh.read().strip()
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    uid = os.getuid()
+
+    def names_node(argv: list[str]) -> bool:
+        return any(a == temp_dir or a.endswith("=" + temp_dir) or temp_dir + "/" in a
+                   or (address and a.endswith("=" + address)) for a in argv)
+
+    def is_ray(argv: list[str]) -> bool:
+        return any("/ray/" in a or a.startswith(("ray.", "ray::")) for a in argv)
+
     found: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "uids"]):
         with contextlib.suppress(psutil.Error):
-            if p.pid != os.getpid() and any(temp_dir in part for part in p.info["cmdline"] or ()):
+            argv = p.info["cmdline"] or []
+            if p.info["uids"].real == uid and names_node(argv) and is_ray(argv):
                 found[p.pid] = p
                 found.update({c.pid: c for c in p.children(recursive=True)})
-    found.pop(os.getpid(), None)
+    for pid in spared:
+        found.pop(pid, None)
     return list(found.values())
 
 
-def end_ray_node(temp_dir: str, grace_s: float = STOP_GRACE_S) -> int:
+def end_ray_node(temp_dir: str, address: str = "", grace_s: float = STOP_GRACE_S) -> int:
     """SIGTERM the processes of :func:`ray_node_processes`, SIGKILL those alive after
     ``grace_s`` seconds; returns how many there were. Other Ray clusters on the machine are
     not touched."""
     import psutil
 
-    procs = ray_node_processes(temp_dir)
+    procs = ray_node_processes(temp_dir, address)
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.terminate()
@@ -136,3 +172,30 @@ def end_ray_node(temp_dir: str, grace_s: float = STOP_GRACE_S) -> int:
             p.kill()
     psutil.wait_procs(alive, timeout=grace_s)
     return len(procs)
+
+
+def stop_hint(cluster: LocalRay) -> str:
+    """The commands that end ``cluster`` (its shards, then its processes) from a shell."""
+    return (f"kvblend stop --address {cluster.address} && {sys.executable} -m cluster.workloads.local_ray "
+            f"stop {cluster.temp_dir} {cluster.address}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cluster.workloads.local_ray stop DIR [ADDRESS]``: end the processes of the
+    private cluster in ``DIR`` (see :func:`end_ray_node`) and remove ``DIR``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m cluster.workloads.local_ray")
+    sub = p.add_subparsers(dest="command", required=True)
+    stop = sub.add_parser("stop", help="end one private local Ray cluster (never another)")
+    stop.add_argument("temp_dir")
+    stop.add_argument("address", nargs="?", default="")
+    args = p.parse_args(argv)
+    n = end_ray_node(os.path.abspath(args.temp_dir), args.address)
+    shutil.rmtree(args.temp_dir, ignore_errors=True)
+    print(f"ended {n} process(es) of the Ray cluster in {args.temp_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
