@@ -54,7 +54,7 @@ class LocalRay:
         env: variables for ``kvblend server``/``stop`` (``KVBLEND_*``, credentials); copied
             into :attr:`env`, with the address added once started.
 
-    Use :meth:`start` and :meth:`stop` (idempotent), or as a context manager.
+    Use :meth:`start` and :meth:`stop` (idempotent).
     """
 
     def __init__(self, server_args: tuple[str, ...] | list[str] = (), env: dict[str, str] | None = None) -> None:
@@ -107,16 +107,6 @@ class LocalRay:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         self.address = ""
         return n
-
-    def __enter__(self) -> LocalRay:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def ray_node_processes(temp_dir: str, address: str = "") -> list:
