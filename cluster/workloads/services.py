@@ -5,8 +5,8 @@
   :func:`start_redis_process` with ``tls=True`` serves TLS only instead (``--port 0
   --tls-port <free>``, ``rediss://127.0.0.1:<port>/0``) with certificates of a throwaway CA
   that :func:`make_tls_files` writes into the server's temporary directory.
-* :func:`start_s3` runs moto's ``ThreadedMotoServer`` (a real HTTP S3 endpoint, in this
-  process) on a free port, creates a bucket and yields ``(endpoint_url, bucket)``.
+* :func:`start_s3` runs moto's S3 server (a real HTTP S3 endpoint) as a child process on a
+  free port, creates a bucket and yields ``(endpoint_url, bucket)``.
 
 Both stop what they started on exit. Neither is for production: real deployments point
 ``redis_url`` / ``s3_url`` at real services.
@@ -15,11 +15,13 @@ Both stop what they started on exit. Neither is for production: real deployments
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -276,37 +278,46 @@ _FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "kvblend-test", "AWS_SECRET_ACCESS_KEY
 
 @contextlib.contextmanager
 def start_s3(bucket: str | None = None) -> Iterator[tuple[str, str]]:
-    """Run moto's S3 server on a free port with one bucket; yields ``(endpoint_url, bucket)``.
+    """Run moto's S3 server (``python -m moto.server``) as a child process on a free port with
+    one bucket; yields ``(endpoint_url, bucket)``.
+
+    A child process, not moto's ``ThreadedMotoServer`` in this one: importing moto's server
+    puts Flask's ``LocalProxy`` objects into ``sys.modules``, and an in-process vLLM engine
+    started later walks ``sys.modules`` (``vllm.triton_utils``) and dies on them. The caller's
+    process never imports moto.
 
     boto3 finds credentials through its standard chain; where none are set, this sets
     throwaway ``AWS_*`` environment variables for the duration (moto accepts any) and
     restores the environment afterwards.
 
     Raises:
-        RuntimeError: moto not installed or not listening within 10 s.
+        RuntimeError: moto or boto3 not installed, or the server not listening within 20 s.
     """
     try:
         import boto3
-        from moto.server import ThreadedMotoServer
     except ImportError as e:
-        raise RuntimeError(f"start_s3 needs moto[server] and boto3: {e}") from None
+        raise RuntimeError(f"start_s3 needs boto3: {e}") from None
+    if importlib.util.find_spec("moto") is None:
+        raise RuntimeError("start_s3 needs moto[server] (pip install 'moto[server]')")
     saved = {k: os.environ.get(k) for k in _FAKE_CREDENTIALS}
     for k, v in _FAKE_CREDENTIALS.items():
         os.environ.setdefault(k, v)
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_port(port, 10.0)
+        _wait_port(port, 20.0, proc)
         endpoint = f"http://127.0.0.1:{port}"
         bucket = bucket or f"kvblend-{uuid.uuid4().hex[:8]}"
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
         yield endpoint, bucket
     finally:
-        server.stop()
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

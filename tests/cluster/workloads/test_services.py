@@ -13,6 +13,9 @@ import redis
 from cluster.workloads import services
 from cluster.workloads.services import start_redis, start_redis_process, start_s3
 
+pytestmark = pytest.mark.cluster
+
+
 
 def test_redis_process_is_killed_restarted_empty_and_stopped():
     with start_redis_process() as server:
@@ -68,3 +71,21 @@ def test_free_port_falls_back_to_the_kernels_pick_without_room_below_the_ephemer
     real_lo, real_hi = services._ephemeral_range()
     monkeypatch.setattr(services, "_ephemeral_range", lambda: (20100, 60999))
     assert real_lo <= services.free_port() <= real_hi  # bind(0): the kernel's ephemeral pick
+
+
+def test_s3_endpoint_runs_in_a_child_process_and_this_process_never_imports_moto():
+    """moto's server in this process broke in-process vLLM engines started after it (Flask's
+    ``LocalProxy`` objects in ``sys.modules``): the endpoint is a child process, so the caller
+    imports no moto module, and the child is gone once the context exits."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from cluster.workloads.services import start_s3\n"
+            "with start_s3() as (endpoint, bucket):\n"
+            "    import boto3\n"
+            "    boto3.client('s3', endpoint_url=endpoint, region_name='us-east-1').head_bucket(Bucket=bucket)\n"
+            "print(sorted(m for m in sys.modules if m == 'moto' or m.startswith('moto.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
