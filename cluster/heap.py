@@ -45,12 +45,22 @@ MIN_INTERVAL_S = 5.0
 
 
 def _libc_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
+    """glibc's ``malloc_trim``, or None where the C library has none.
+
+    The C library this process already runs on (``CDLL(None)``: its own symbols) before
+    ``ctypes.util.find_library``, which runs ``ldconfig``/``gcc`` in a child process on Linux
+    (once per worker, source and agent start-up)."""
+    for name in (None, "libc.so.6"):
+        try:
+            fn = ctypes.CDLL(name).malloc_trim
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        except (OSError, AttributeError, TypeError):
+            return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
 
