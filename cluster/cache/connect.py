@@ -3,7 +3,8 @@
 ``ray_address`` (see :class:`cluster.config.ClusterConfig`):
 
 * ``'auto'``  — join the cluster named by ``$RAY_ADDRESS`` or the latest one started on this
-  machine (``/tmp/ray/ray_current_cluster``); none running -> not connected.
+  machine (:func:`ray_address_file`, ``/tmp/ray/ray_current_cluster`` by default); none
+  running -> not connected.
 * ``'local'`` — start a single-node Ray in this process, advertising the shard resource and
   with an object store of ``object_store_gib`` (set explicitly: Ray's default is 30% of RAM,
   7 GiB on a 24 GiB CI machine, more than a test or demo needs).
@@ -23,6 +24,7 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 
 log = logging.getLogger("kvblend.ray")
@@ -43,12 +45,26 @@ def _probe(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def ray_address_file() -> str:
+    """The file where Ray keeps the address of the newest cluster started on this machine, the
+    one ``ray.init(address="auto")`` reads: ``ray_current_cluster`` in Ray's temp dir,
+    ``$RAY_TMPDIR/ray``, else (Linux) ``$TMPDIR/ray``, else ``/tmp/ray`` (Ray 2.60's
+    ``get_default_ray_temp_dir``, derived here: the agent's client never imports Ray)."""
+    if os.environ.get("RAY_TMPDIR"):
+        base = os.environ["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and os.environ.get("TMPDIR"):
+        base = os.environ["TMPDIR"]
+    else:
+        base = "/tmp"
+    return os.path.join(base, "ray", "ray_current_cluster")
+
+
 def _auto_address() -> str | None:
     addr = os.environ.get("RAY_ADDRESS", "")
     if addr and addr not in ("auto", "local"):
         return addr
     try:
-        with open("/tmp/ray/ray_current_cluster") as fh:
+        with open(ray_address_file()) as fh:
             return fh.read().strip() or None
     except OSError:
         return None

@@ -1,7 +1,7 @@
 """A private local Ray cluster with kvblend shards, for the workloads that start their own
 (``kvblend demo``, ``kvblend bench faults``).
 
-Ray's ``"auto"`` address is the one in ``/tmp/ray/ray_current_cluster``, which the newest Ray
+Ray's ``"auto"`` address is the one in ``/tmp/ray/ray_current_cluster`` (under ``$RAY_TMPDIR`` when set), which the newest Ray
 head started on the machine overwrites. A workload that started a cluster and later reached it
 by ``"auto"`` (``kvblend status``, ``kvblend stop``, the connector's ``ray_address``) followed
 any head started after its own: on 2026-12-03 a test run during the soak of ``bench faults``
