@@ -1,16 +1,42 @@
-"""Run order by marker, the GPU skip, and the prepared default model.
+"""Lanes, the isolation of every test from the others, the GPU skip, and the prepared model.
 
-Markers (registered in pyproject.toml): ``vllm_engine`` and ``shared_ray`` order the run (see
-:data:`ORDER_MARKERS`), ``gpu`` skips a test where there is no CUDA, ``slow`` says a test starts
-a vLLM engine or a Ray cluster. Services (redis-server, the S3 endpoint) are started by
-fixtures in ``tests/services.py`` (a plugin of this conftest, so every directory has them);
-the session Ray cluster by ``tests/cluster/conftest.py``; vLLM engines by session-scoped
-fixtures in ``tests/cluster/vllm/conftest.py``. Factories are in ``tests/factories.py``.
+**Lanes.** Every test carries exactly one lane marker (registered in pyproject.toml; collection
+fails otherwise), and ``scripts/test.sh`` runs each lane as its own pytest process (``-m LANE``):
+
+* ``unit``: no vLLM engine, no Ray, no process started: pure Python and torch, in parallel over
+  the machine's cores. A unit test that starts a process fails (:func:`_no_process_guard`).
+* ``engine``: vLLM engines (the in-process ``blend_llm``, ``vllm serve``, engine subprocesses).
+* ``cluster``: Ray clusters, shards and the cache agent, the services (redis-server, S3), faults
+  and every other test that starts a process (``kvblend`` commands, fresh interpreters).
+* ``integration``: what a user runs whole: README lines, the demo, the benchmarks, the Helm chart.
+
+So a test that starts a process is marked so: by any lane but ``unit``.
+
+**Isolation** (no test depends on another's order or leftovers):
+
+* per pytest process (a lane, an xdist worker): a private ``RAY_TMPDIR`` (Ray's ``auto`` file and
+  session folders), a private ``HOME`` (``~/.ray/auth_token``, ``~/.cache/kvblend``: shard
+  identities, fingerprints; only the prepared models are shared, through a link to the user's
+  model cache, since preparing one takes ~20 s and gives the same folder every time), no
+  ``RAY_ADDRESS``, ``RAY_AUTH_*`` or ``KVBLEND_*`` (but ``KVBLEND_LOG_LEVEL``) inherited from
+  the caller's shell, and throwaway AWS credentials (the suite's S3 endpoint takes any);
+* per module: a fresh ``RAY_TMPDIR`` (a module's heads and its ``auto`` are its own),
+  ``os.environ`` restored at its end, and no Ray driver left connected (a leak fails the module
+  instead of being tidied away);
+* per test: ``os.environ`` as it was before the test, and a fresh ``KVBLEND_DISK_PATH``.
+
+Services (redis-server, the S3 endpoint) are started by fixtures in ``tests/services.py`` (a
+plugin of this conftest); Ray clusters by ``tests/cluster/conftest.py``; vLLM engines by
+``tests/cluster/vllm/conftest.py``. Factories are in ``tests/factories.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import os
+import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -18,40 +44,93 @@ import pytest
 #: The service fixtures (redis_url, s3_endpoint, private_redis, ...) for every test directory.
 pytest_plugins = ["tests.services"]
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Chunks a test stores without Ray go to the machine-local disk cache (cluster.cache.local.
-# local_client) under disk_path: keep each test session's in a fresh directory, never in the
-# user's ~/.cache/kvblend, so no run sees another run's chunks.
-os.environ.setdefault("KVBLEND_DISK_PATH", tempfile.mkdtemp(prefix="kvblend-test-disk-"))
+#: The lanes, in the order scripts/test.sh runs them.
+LANES = ("unit", "engine", "cluster", "integration")
+
+_REAL_HOME = os.path.expanduser("~")
+# Short paths: Ray puts Unix sockets under RAY_TMPDIR (107 bytes at most).
+_PROCESS_DIR = tempfile.mkdtemp(prefix="kvbt-", dir="/tmp")
 
 
-#: Run order, by marker (tests with neither run in between, in collection order).
-#: vllm_engine first: an in-process vLLM engine walks sys.modules when it starts
-#: (vllm.triton_utils.dispatcher) and dies on Flask's LocalProxy objects, which moto's S3 server
-#: (the ``s3_endpoint`` fixture, tests that start shards with an S3 tier) imports into this process.
-#: shared_ray last: the session Ray cluster of tests/cluster/conftest.py stays up until the end,
-#: and no other test's ``kvblend server`` or vLLM connector may join it by ray_address="auto".
-ORDER_MARKERS = ("vllm_engine", None, "shared_ray")
+def _isolate_process() -> None:
+    """Point everything machine-wide at this pytest process's own folder (see the docstring)."""
+    for name in [k for k in os.environ if k.startswith(("KVBLEND_", "RAY_ADDRESS", "RAY_AUTH_"))
+                 and k != "KVBLEND_LOG_LEVEL"]:
+        del os.environ[name]
+    home = os.path.join(_PROCESS_DIR, "home")
+    models = os.path.join(_REAL_HOME, ".cache", "kvblend", "models")
+    os.makedirs(models, exist_ok=True)
+    os.makedirs(os.path.join(home, ".cache", "kvblend"))
+    os.symlink(models, os.path.join(home, ".cache", "kvblend", "models"))
+    os.environ["HOME"] = home
+    os.environ["RAY_TMPDIR"] = os.path.join(_PROCESS_DIR, "ray")
+    os.makedirs(os.environ["RAY_TMPDIR"])
+    # the S3 endpoint the suite starts takes any credentials; a caller's real ones never reach
+    # a test, and the session's endpoint outlives every module's restore of the environment
+    os.environ.update(AWS_ACCESS_KEY_ID="kvblend-test", AWS_SECRET_ACCESS_KEY="kvblend-test",
+                      AWS_DEFAULT_REGION="us-east-1")
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        os.environ.pop(name, None)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ["KVBLEND_DISK_PATH"] = os.path.join(_PROCESS_DIR, "disk")
 
-#: Fixtures whose tests must carry a marker, or the order above would silently not hold.
-FIXTURE_MARKERS = {"blend_llm": "vllm_engine", "ray_cluster": "shared_ray"}
+
+_isolate_process()
 
 
-def _order(item) -> int:
-    for rank, marker in enumerate(ORDER_MARKERS):
-        if marker is not None and item.get_closest_marker(marker) is not None:
-            return rank
-    return ORDER_MARKERS.index(None)
+def pytest_addoption(parser):
+    parser.addoption("--keep-test-dirs", action="store_true",
+                     help="keep this process's private HOME/RAY_TMPDIR folder (" + _PROCESS_DIR + ")")
+
+
+_EXIT = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Remove this process's folder; then, in a process that imported Ray, end at once with
+    the session's status. Ray's core worker can crash the interpreter's own teardown after the
+    last driver disconnected (SIGSEGV in its log sink, seen once in a whole-suite run and once
+    in the cluster lane, every test passed): the results are written by then, and the product's
+    Ray processes end the same way (the cache agent's ``os._exit``)."""
+    if not config.getoption("--keep-test-dirs", default=False):
+        shutil.rmtree(_PROCESS_DIR, ignore_errors=True)
+    import sys
+
+    if "ray" in sys.modules and "status" in _EXIT and not hasattr(config, "workerinput"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT["status"])
+
+
+def lane_of(item) -> str:
+    """The lane marker of ``item``.
+
+    Raises:
+        ValueError: none, or more than one.
+    """
+    lanes = sorted({m.name for m in item.iter_markers() if m.name in LANES})
+    if len(lanes) != 1:
+        raise ValueError(f"{item.nodeid}: lanes {lanes or 'none'}; exactly one of {', '.join(LANES)} "
+                         "(pytestmark = pytest.mark.<lane>, or a decorator per test in a mixed module)")
+    return lanes[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    unmarked = [f"{item.nodeid} uses {fixture} without @pytest.mark.{marker}"
-                for item in items for fixture, marker in FIXTURE_MARKERS.items()
-                if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None]
-    if unmarked:
-        raise pytest.UsageError("run-order markers missing (see tests/conftest.py):\n" + "\n".join(unmarked))
-    items.sort(key=_order)  # stable: collection order within each group
+    errors = []
+    for item in items:
+        try:
+            lane_of(item)
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise pytest.UsageError("every test belongs to exactly one lane (tests/conftest.py):\n"
+                                + "\n".join(errors))
     try:
         import torch
 
@@ -66,6 +145,71 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+class ProcessStarted(AssertionError):
+    """A ``unit`` test started a process (it belongs in another lane)."""
+
+
+@contextlib.contextmanager
+def _no_process_guard(nodeid: str):
+    """While active, starting a process (``subprocess``, ``multiprocessing``, ``os.fork``,
+    ``os.posix_spawn``) raises :class:`ProcessStarted`."""
+
+    def refuse(*args, **kwargs):
+        raise ProcessStarted(f"{nodeid} is in the unit lane but starts a process: mark it with the "
+                             "lane of what it starts (tests/conftest.py)")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(subprocess.Popen, "_execute_child", refuse)
+    mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    mp.setattr(os, "fork", refuse)
+    mp.setattr(os, "posix_spawn", refuse)
+    mp.setattr(os, "posix_spawnp", refuse)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Unit tests run (setup, call, teardown) under :func:`_no_process_guard`."""
+    if lane_of(item) != "unit":
+        return (yield)
+    with _no_process_guard(item.nodeid):
+        return (yield)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_isolation():
+    """A fresh ``RAY_TMPDIR`` for the module, and ``os.environ`` as it was once the module
+    ends (what its module fixtures set goes with them); at its end, no Ray driver may be left
+    connected (fixtures that connect one disconnect it: a leak would attach later modules to a
+    cluster that is gone, and a Ray API call without ``ray.init`` starts a whole local Ray)."""
+    saved = dict(os.environ)
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="r", dir=_PROCESS_DIR)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("this module left the test process connected to Ray (disconnect in the "
+                    "fixture that connected it)")
+
+
+@pytest.fixture(autouse=True)
+def _test_isolation(tmp_path_factory):
+    """``os.environ`` restored after the test; a fresh ``KVBLEND_DISK_PATH`` (the machine-local
+    disk cache of clients built without Ray) for it."""
+    saved = dict(os.environ)
+    os.environ["KVBLEND_DISK_PATH"] = str(tmp_path_factory.mktemp("disk", numbered=True))
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """HF folder of the bundled SmolLM2-135M-Instruct (prepared once, cached)."""
@@ -73,23 +217,3 @@ def smollm2_path() -> str:
     from cluster.workloads.model import resolve_model
 
     return resolve_model("smollm2", cache_dir(load_config(environ={})))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_ray_driver_left_behind(request):
-    """After every test module without ``shared_ray`` tests (those share the session cluster),
-    this process is no Ray driver any more: a module that connected it and did not disconnect
-    would leave it attached to a cluster that a later test stops (``ray stop --force`` in the
-    demo), and 60 s later Ray ends the driver's process — this pytest run, without a summary
-    (seen 2026-12-02). The leak is disconnected here and reported on stderr."""
-    yield
-    items = [it for it in request.session.items if it.module is request.module]
-    if any(it.get_closest_marker("shared_ray") is not None for it in items):
-        return
-    import sys
-
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        print(f"\n[conftest] {request.module.__name__} left this process connected to Ray: ray.shutdown()",
-              file=sys.stderr)
-        ray.shutdown()

@@ -11,8 +11,8 @@ these fixtures by name; test modules never start services themselves, so the tes
   ``tls=True``: TLS only, its throwaway CA and certificates in ``.tls``), stopped when it ends.
 * ``foreign_tls_files`` — :class:`cluster.workloads.services.TLSFiles` of a CA of their own
   (a wrong CA, and a client certificate no server of ``private_redis`` trusts).
-* ``s3_endpoint`` — session-wide ``(endpoint_url, bucket)`` of a moto S3 server (importing moto
-  breaks in-process vLLM engines started later: see the ``vllm_engine`` marker).
+* ``s3_endpoint`` — session-wide ``(endpoint_url, bucket)`` of a moto S3 server (a child
+  process: this one never imports moto, whose Flask objects break in-process vLLM engines).
 * ``unused_port`` — a TCP port on 127.0.0.1 that nobody listened on a moment ago.
 """
 

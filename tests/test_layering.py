@@ -18,6 +18,8 @@ import pathlib
 import pytest
 import tomllib
 
+pytestmark = pytest.mark.unit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("tiers", "blend", "cluster")  # lowest layer first
 LAYER = {name: i for i, name in enumerate(PACKAGES)}

@@ -13,6 +13,8 @@ from torch.testing import assert_close
 
 from tests.factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks
 
+pytestmark = pytest.mark.unit
+
 MODEL_TYPES = ["llama", "mistral", "qwen2"]
 
 

@@ -20,6 +20,8 @@ from blend.segments import (
 from tests.factories import NAMESPACE
 from tiers.keys import segment_key
 
+pytestmark = pytest.mark.unit
+
 SEP = " # # "
 P1 = "Lighthouse keepers on Varo island logged each ship that passed the strait."
 P2 = "The cathedral of Mena was rebuilt twice after fires, in 1702 and in 1788."

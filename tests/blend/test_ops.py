@@ -19,6 +19,8 @@ from tests.factories import F32_TOL, all_hit_plan, fill_tiers, ops_adapter, rand
 from tiers.host import HostTier
 from tiers.staging import StagedSource
 
+pytestmark = pytest.mark.unit
+
 
 def test_select_top_ratio_with_candidates_threshold_and_ratio():
     scores = torch.tensor([0.5, 3.0, 0.1, 2.0, 9.0, 0.0])

@@ -22,7 +22,7 @@ from tiers.gpu import GpuTier
 from tiers.host import HostTier
 from tiers.staging import StagedSource
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.unit]
 CUDA = torch.device("cuda")
 
 

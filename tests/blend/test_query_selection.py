@@ -17,6 +17,8 @@ from blend.query_selection import (
 from blend.selection import num_to_select
 from tests.factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks
 
+pytestmark = pytest.mark.unit
+
 
 def _setup(make_setup, model_type="llama", num_chunks=3, chunk_len=24, **kw):
     engine, client = make_setup(model_type, **kw)

@@ -22,6 +22,8 @@ from tests.factories import (
     tiny_adapter,
 )
 
+pytestmark = pytest.mark.unit
+
 ROPE_TOL = dict(rtol=5e-4, atol=5e-4)
 
 LINEAR = {

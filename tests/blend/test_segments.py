@@ -17,6 +17,8 @@ from blend.segments import build_blend_prompt, chunk_token_ids, find_segments, s
 from tests.factories import F32_TOL, NAMESPACE, blend_prompt, plan_for, random_chunks, store_chunks
 from tiers.keys import segment_key
 
+pytestmark = pytest.mark.unit
+
 QA = "/work/shared/data/qa/musique_s.norm.jsonl"
 LMCACHE_SEP = " # # "
 

@@ -25,6 +25,8 @@ from tests.factories import blend_prompt, random_chunks, tiny_model
 from tiers.keys import Namespace, segment_key
 from tiers.tier import MemoryTier
 
+pytestmark = pytest.mark.cluster
+
 TP = 2
 MODEL = dict(num_layers=4, hidden=64, heads=4, kv_heads=2, vocab=128)
 #: Allowed error as a multiple of the two-kernel gap. Measured (2026-11-29, this model and

@@ -1,11 +1,14 @@
-"""One Ray cluster for the session (``ray_cluster``) and the cache on it, for the tests of
+"""One Ray cluster for the lane process and the cache on it, for the tests of
 ``tests/cluster/cache`` and ``tests/cluster/cli``: ``ray.cluster_utils.Cluster`` with 2 nodes on
 this machine, each advertising the shard resource and naming itself (``KVBLEND_NODE_NAME``:
 ``test-node-a``, ``test-node-b``), small object stores (200 MB each), no dashboard, metrics
-exported on a known port of the head. Shut down at the end of the session.
+exported on a known port of the head. Started by the first module that asks for it, shut down
+at the end of the session.
 
-A module whose tests take ``ray_cluster`` (or a fixture built on it) carries the ``shared_ray``
-marker, which runs it after every other test (see ``tests/conftest.py``).
+The cluster's processes live for the session; this process is its Ray driver only inside a
+module that takes ``ray_cluster`` (connected at the module's start, disconnected at its end), so
+the modules between them start and join Ray clusters of their own, in any order. The shards are
+detached actors: they outlive a driver's disconnect, and ``shards`` finds them again per module.
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ OBJECT_STORE_BYTES = 200 * 2**20
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """``(cluster, metrics_port)``; the driver (this process) is connected to it."""
-    import ray
+def ray_test_cluster():
+    """``(cluster, metrics_port)``: the session's cluster; this process is not its driver."""
     from ray.cluster_utils import Cluster
 
     metrics_port = free_port()
@@ -39,18 +41,28 @@ def ray_cluster(tmp_path_factory):
     cluster.add_node(num_cpus=1, resources={RESOURCE: 1}, object_store_memory=OBJECT_STORE_BYTES,
                      env_vars={"KVBLEND_NODE_NAME": "test-node-b"})
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="kvblend-test-driver", log_to_driver=False)
     yield cluster, metrics_port
-    ray.shutdown()
     cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster(ray_test_cluster):
+    """``(cluster, metrics_port)`` of the session's cluster, this process its driver for the
+    module."""
+    import ray
+
+    cluster, _ = ray_test_cluster
+    ray.init(address=cluster.address, namespace="kvblend-test-driver", log_to_driver=False)
+    yield ray_test_cluster
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
-def kvconfig(ray_cluster, tmp_path_factory):
+def kvconfig(ray_test_cluster, tmp_path_factory):
     """A KVBlendConfig for the test cluster (unique Ray namespace, tmp disk tier)."""
     from cluster.config import load_config
 
-    cluster, _ = ray_cluster
+    cluster, _ = ray_test_cluster
     root = tmp_path_factory.mktemp("kvblend")
     return load_config(environ={}, overrides={
         "ray_address": cluster.address, "ray_namespace": f"kvblend-test-{uuid.uuid4().hex[:6]}",
@@ -58,9 +70,10 @@ def kvconfig(ray_cluster, tmp_path_factory):
         "disk_size_gib": 0.2, "call_timeout_s": 10.0, "load_timeout_s": 10.0, "compression": "lz4"})
 
 
-@pytest.fixture(scope="session")
-def shards(kvconfig):
-    """Names of the shard actors (one per node), started once."""
+@pytest.fixture(scope="module")
+def shards(ray_cluster, kvconfig):
+    """Names of the shard actors (one per node): started by the first module, found again
+    (``get_if_exists``) by the others."""
     from cluster.cache.lifecycle import start_shards
 
     return start_shards(kvconfig)

@@ -9,6 +9,8 @@ import pytest
 
 from cluster.config import FIELD_SECTION, LMCACHE_KEYS, describe_fields, load_config
 
+pytestmark = pytest.mark.cluster
+
 
 def test_defaults_match_the_brief():
     cfg = load_config(environ={})

@@ -9,7 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cluster.config import load_config
+
+pytestmark = pytest.mark.cluster
 
 PW = "hunter2pw"
 URL = f"redis://:{PW}@redis:6379/0"

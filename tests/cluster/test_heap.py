@@ -12,6 +12,8 @@ import pytest
 
 from cluster.heap import HeapTrimmer, _libc_malloc_trim
 
+pytestmark = pytest.mark.cluster
+
 
 class _Clock:
     def __init__(self) -> None:

@@ -26,6 +26,8 @@ from cluster.namespace import (
 from tests.cluster.hf_cache import COMMIT, REPO, hub_cache
 from tiers.keys import Namespace
 
+pytestmark = pytest.mark.cluster
+
 
 def tiny_model(folder, *, weights_bytes: int = 3 << 20, **config):
     """A model folder: a Llama-like ``config.json`` (3 KV heads) and random weight bytes."""

@@ -10,6 +10,8 @@ from tests.factories import OBJECT_KEY_A, OBJECT_KEY_B, make_key, make_kv, make_
 from tiers import auth
 from tiers.format import parse_header
 
+pytestmark = pytest.mark.unit
+
 KEY_A, KEY_B = OBJECT_KEY_A, OBJECT_KEY_B
 
 

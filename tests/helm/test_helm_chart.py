@@ -17,6 +17,8 @@ import kubernetes_validate
 import pytest
 from tests.helm._helm_chart import CHART, K8S_VERSION, NAMESPACE, RELEASE
 
+pytestmark = pytest.mark.integration
+
 # CRDs of operators we do not validate with kubernetes-validate (not in its schemas).
 CUSTOM_API_GROUPS = ("ray.io/", "monitoring.coreos.com/")
 RAYCLUSTER_SCHEMA = json.loads((Path(__file__).parent / "raycluster.schema.json").read_text())

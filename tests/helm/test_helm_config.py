@@ -11,6 +11,8 @@ from tests.helm._helm_chart import CHART, NAMESPACE, RELEASE
 
 from cluster.config import FIELD_SECTION, FIELDS, describe_fields, load_config
 
+pytestmark = pytest.mark.integration
+
 # Fields the chart fills from its own sections rather than from kvblend.config.
 DERIVED = {"model", "ray_address", "redis_url", "s3_url", "s3_endpoint_url", "s3_region",
            "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"}

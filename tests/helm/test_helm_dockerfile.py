@@ -11,6 +11,8 @@ import tomllib
 import yaml
 from tests.helm._helm_chart import CHART, REPO
 
+pytestmark = pytest.mark.integration
+
 INSTRUCTIONS = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "USER", "ENTRYPOINT",
                 "CMD", "EXPOSE", "LABEL", "HEALTHCHECK", "SHELL", "STOPSIGNAL", "VOLUME", "ONBUILD"}
 

@@ -19,6 +19,8 @@ import kubernetes_validate
 import pytest
 from tests.helm._helm_chart import K8S_VERSION, NAMESPACE, RELEASE, VALUES_DIR, Rendered
 
+pytestmark = pytest.mark.integration
+
 EXPOSED = VALUES_DIR / "exposed-dashboard.yaml"
 GCS_SERVICE = f"{RELEASE}-kvblend-head"
 DASHBOARD_SERVICE = f"{RELEASE}-kvblend-dashboard"

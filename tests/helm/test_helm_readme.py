@@ -17,6 +17,8 @@ from tests.helm._helm_chart import CHART, REPO, Rendered, deep_merge
 
 from cluster.config import load_config
 
+pytestmark = pytest.mark.integration
+
 DOCS = [REPO / "README.md", REPO / "docs" / "deploy-kubernetes.md"]
 
 

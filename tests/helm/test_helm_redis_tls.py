@@ -24,6 +24,8 @@ from tests.factories import make_key, make_kv, make_object
 from tests.helm._helm_chart import Rendered
 from tiers.lower import shared_tiers
 
+pytestmark = pytest.mark.integration
+
 TLS_SECRET = "redis-client-tls"
 PW_SECRET, PW_KEY, PW = "my-redis", "redis-password", "tls-e2e-redis-pw"
 TLS_DIR = "/etc/kvblend-redis-tls"

@@ -10,6 +10,8 @@ import shlex
 import pytest
 from tests.helm._helm_chart import RELEASE
 
+pytestmark = pytest.mark.integration
+
 GIB = 2**30
 MI = 2**20
 

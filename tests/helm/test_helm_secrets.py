@@ -5,9 +5,12 @@ The internal Redis gets its password from a config file mounted from its Secret.
 
 from __future__ import annotations
 
+import pytest
 import re
 
 from tests.helm._helm_chart import RELEASE
+
+pytestmark = pytest.mark.integration
 
 
 def _command_line(container: dict) -> str:

@@ -10,11 +10,14 @@ their calls; each test kills the process group it started.
 
 from __future__ import annotations
 
+import pytest
 import os
 import signal
 import stat
 import subprocess
 import time
+
+pytestmark = pytest.mark.integration
 
 HEAD = "kvb-kvblend-head.serving.svc:6379"
 

@@ -12,11 +12,16 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
 FAULT_ROWS = ("no_fault", "redis_blackhole", "s3_throttled", "shard_sigstop", "corrupt_objects", "deleted_object")
 
 
+@pytest.mark.timeout(1800)  # its own guard: 1500 s
 def test_bench_faults_every_request_answers_as_full_prefill(tmp_path):
     out = tmp_path / "faults.json"
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")

@@ -8,6 +8,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
 
@@ -20,6 +24,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.timeout(1800)  # its own guard: 1500 s
 def test_demo_tiny(tmp_path):
     out = tmp_path / "demo.json"
     r = subprocess.run([str(BIN / "kvblend"), "demo", "--num-queries", "2", "--passages-per-query", "3",
@@ -50,6 +55,7 @@ def test_demo_tiny(tmp_path):
     assert "ingest (before serving" in r.stdout and "next:" in r.stdout and str(out) in r.stdout
 
 
+@pytest.mark.timeout(1200)  # its own guard: 900 s
 def test_examples_blend_rag_runs_as_is():
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "blend_rag.py")], env=_env(),
                        capture_output=True, text=True, timeout=900, cwd=ROOT)

@@ -22,7 +22,7 @@ import pytest
 from tests.integration.test_readme_lines import BIN, _env, _metric
 from tests.serving import http_server
 
-pytestmark = [pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 GCS_TIMEOUT_S = 5
 HANG_S = 300  # the only timing: a hang guard

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow]
+pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 900  # the only timing: a hang guard for the child's engine start and requests

@@ -17,7 +17,10 @@ import time
 
 import pytest
 
+from cluster.workloads.local_ray import end_ray_node
 from tests.serving import http_server
+
+pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
@@ -60,11 +63,17 @@ def readme_cluster(smollm2_path):
         import shutil
 
         shutil.rmtree(disk.group(1), ignore_errors=True)
+    # the line as pasted starts its head under Ray's default temp dir, which is this module's
+    # own RAY_TMPDIR (tests/conftest.py): its processes are ended by that, never `ray stop`,
+    # which would end every Ray cluster on the machine
+    temp_dir = os.path.join(os.environ["RAY_TMPDIR"], "ray")
     r = subprocess.run(["bash", "-c", server_line], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    yield server_line
-    subprocess.run(["bash", "-c", "kvblend stop"], env=_env(), capture_output=True, timeout=120)
-    subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield server_line
+    finally:
+        subprocess.run(["bash", "-c", "kvblend stop"], env=_env(), capture_output=True, timeout=120)
+        end_ray_node(temp_dir)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,8 @@ from tiers.host import HostTier
 from tiers.reader import ReadCounters, read_layers, validate_object
 from tiers.stack import TierStack
 
+pytestmark = pytest.mark.unit
+
 KEY_A, KEY_B = OBJECT_KEY_A, OBJECT_KEY_B
 
 

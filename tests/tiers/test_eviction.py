@@ -12,6 +12,8 @@ import pytest
 from tiers import eviction
 from tiers.eviction import EvictionIndex
 
+pytestmark = pytest.mark.unit
+
 
 def test_lru_evicts_least_recently_used_first():
     idx = EvictionIndex(30, "lru")

@@ -11,6 +11,8 @@ from tests.factories import make_key, make_kv, make_object
 from tiers.format import FormatError, decode_layer, parse_header
 from tiers.host import HostTier
 
+pytestmark = pytest.mark.unit
+
 _OBJ = make_object(make_key(1), make_kv(num_layers=2, num_tokens=4), compress=False)
 _OBJ_LZ4 = make_object(make_key(1), make_kv(num_layers=2, num_tokens=4, compressible=True), compress=True)
 

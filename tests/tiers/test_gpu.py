@@ -9,6 +9,8 @@ from tests.factories import make_key, make_kv, make_object
 from tiers.gpu import GpuTier
 from tiers.host import HostTier
 
+pytestmark = pytest.mark.unit
+
 
 def _exercise_gpu_tier(device: str) -> None:
     kv = make_kv()

@@ -14,6 +14,8 @@ from tiers.format import MAX_TOKENS, FormatError, parse_header
 from tiers.reader import ReadCounters, read_header, read_layers
 from tiers.tier import MemoryTier
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def chunk():

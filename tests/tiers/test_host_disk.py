@@ -11,6 +11,8 @@ from tests.factories import make_key, make_kv, make_object
 from tiers.disk import DiskTier
 from tiers.host import HostTier
 
+pytestmark = pytest.mark.unit
+
 
 def test_host_returns_read_only_zero_copy_views():
     tier = HostTier(1 << 20)

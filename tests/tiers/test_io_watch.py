@@ -12,6 +12,8 @@ from tiers import io_watch
 from tiers.disk import DiskTier
 from tiers.io_watch import IoWatch
 
+pytestmark = pytest.mark.unit
+
 
 def test_watch_refuses_while_a_call_is_past_its_deadline_then_admits(monkeypatch):
     now = [100.0]

@@ -11,6 +11,8 @@ import pytest
 from tiers.format import FormatError, decode_layer, encode_chunk, parse_header
 from tiers.keys import ChunkKey, Namespace, prefix_keys, segment_key
 
+pytestmark = pytest.mark.cluster
+
 NS = Namespace("m", "fp", "bfloat16", 2, 2, 4).digest()
 
 

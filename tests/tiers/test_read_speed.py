@@ -19,6 +19,8 @@ from tiers.format import CODEC_LZ4, CODEC_RAW, FormatError, parse_header
 from tiers.host import HostTier
 from tiers.reader import ReadCounters, read_header, read_layers
 
+pytestmark = pytest.mark.unit
+
 
 def _count_calls(monkeypatch, module, name, log=None, tag=None):
     """Wrap ``module.name``; returns the list of calls (or appends ``tag`` to ``log``)."""

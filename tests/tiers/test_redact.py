@@ -11,6 +11,8 @@ import pytest
 from tiers.config import TiersConfig
 from tiers.lower import shared_tiers
 
+pytestmark = pytest.mark.cluster
+
 PW = "hunter2pw"
 MASK = "***"
 

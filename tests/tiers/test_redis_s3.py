@@ -10,6 +10,8 @@ from tiers.reader import ReadCounters, read_layers
 from tiers.redis_tier import RedisTier
 from tiers.s3 import S3Tier, parse_s3_url
 
+pytestmark = pytest.mark.cluster
+
 
 def test_redis_killed_mid_test_gives_misses_then_recovers(private_redis):
     server = private_redis()

@@ -20,6 +20,8 @@ from tiers.lower import shared_tiers
 from tiers.reader import read_layers
 from tiers.redis_tier import RedisTier
 
+pytestmark = pytest.mark.cluster
+
 
 def _assert_misses(tier: RedisTier, key) -> None:
     """Every call is a miss or a failed write, counted as an error, and none raises."""

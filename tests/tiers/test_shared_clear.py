@@ -13,6 +13,8 @@ from tests.factories import make_key, make_kv, make_object
 from tiers.redis_tier import RedisTier
 from tiers.s3 import S3Tier
 
+pytestmark = pytest.mark.cluster
+
 NS_A = "0123456789abcdef"
 NS_B = "fedcba9876543210"
 

@@ -14,6 +14,8 @@ from tiers.host import HostTier
 from tiers.stack import TierStack
 from tiers.tier import MemoryTier
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def stack3(make_tier):

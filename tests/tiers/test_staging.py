@@ -5,6 +5,7 @@ the blend engine, on CUDA: ``tests/blend/test_ops_cuda.py``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.factories import NAMESPACE, make_object
@@ -14,6 +15,8 @@ from tiers.host_layers import TierLayers
 from tiers.keys import segment_key
 from tiers.staging import StagedSource
 from tiers.tier import MemoryTier
+
+pytestmark = pytest.mark.unit
 
 
 def _objects(num_chunks=3, num_layers=3, dtype=torch.bfloat16):

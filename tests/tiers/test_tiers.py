@@ -20,6 +20,8 @@ from tests.factories import (
 from tiers.format import CODEC_LZ4, CODEC_RAW, PREFIX_BYTES, parse_header
 from tiers.reader import ReadCounters, read_header, read_layer, read_layers
 
+pytestmark = pytest.mark.cluster
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 

@@ -40,6 +40,8 @@ from cluster.vllm.connector import KVBlendConnector
 from cluster.vllm.metrics import KVBlendConnectorStats, KVBlendPromMetrics
 from tests.vllm.extract_api import extract
 
+pytestmark = pytest.mark.unit
+
 HERE = pathlib.Path(__file__).resolve().parent
 DOC = HERE.parents[1] / "docs" / "vllm-versions.md"
 API_FILES = {"0.33": HERE / "vllm_0_33_api.json"}

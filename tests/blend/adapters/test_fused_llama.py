@@ -28,6 +28,8 @@ from tests.factories import (
 )
 from tiers.tier import MemoryTier
 
+pytestmark = pytest.mark.unit
+
 pytest.importorskip("transformers")
 
 #: Row-level comparisons of two implementations of one layer (float32, values O(1)).

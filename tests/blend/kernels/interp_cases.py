@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from blend.kernels import interpreting
+
+# the child pytest checks lanes too (tests/conftest.py): these cases start no process
+pytestmark = pytest.mark.unit
 from blend.kernels.deviation import deviation_reference, deviation_triton
 from blend.kernels.paged import gather_reference, gather_triton, scatter_reference, scatter_triton
 from blend.kernels.rope import rerotate_triton_

@@ -17,7 +17,7 @@ from blend.kernels.deviation import deviation_reference, deviation_triton
 from blend.kernels.paged import gather_reference, gather_triton, scatter_reference, scatter_triton
 from blend.kernels.rope import rerotate_reference_, rerotate_triton_
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.unit]
 CUDA = torch.device("cuda")
 
 

@@ -13,6 +13,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]  # the child's guard: 900 s
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 

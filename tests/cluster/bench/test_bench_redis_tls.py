@@ -7,8 +7,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+import pytest
+
 from cluster.bench import tiers as bench
 from tests.factories import make_key, make_kv, make_object
+
+pytestmark = pytest.mark.cluster
 
 
 def _args(*argv: str) -> argparse.Namespace:

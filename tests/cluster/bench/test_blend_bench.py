@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cluster.cli.main import main
+
+pytestmark = pytest.mark.integration
 
 
 def test_bench_blend_smoke(tmp_path, smollm2_path):

@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from cluster.bench.fault_rig import _proc_status_kib
+
+pytestmark = pytest.mark.cluster
 
 # A fresh interpreter that writes 64 MiB when told to, then waits: its heap grows by a known
 # amount at a known moment. (Measured in the test process itself the write can land in pages

@@ -5,10 +5,14 @@ fault is about a tier still lose their copies there."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.bench.fault_setup import place
 from tests.factories import make_key, make_kv, make_object
 from tiers.disk import DiskTier
 from tiers.tier import MemoryTier
+
+pytestmark = pytest.mark.unit
 
 
 def test_place_completes_lost_copies_then_removes_each_rows_tiers(tmp_path):

@@ -11,6 +11,8 @@ import pytest
 
 from blend.selection import num_to_select
 
+pytestmark = pytest.mark.cluster
+
 BLOCKER = ("import sys\n"
            "for m in ('ray', 'redis', 'boto3', 'lz4', 'vllm'):\n"
            "    sys.modules[m] = None\n"

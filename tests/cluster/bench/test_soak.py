@@ -11,6 +11,8 @@ import pytest
 
 from cluster.bench import fault_setup, faults
 
+pytestmark = pytest.mark.unit
+
 
 class _Rig:
     """Stand-in for FaultRig: memory readings from a script, and a log of what happened."""

@@ -11,6 +11,8 @@ import pytest
 
 from cluster.bench import tiers as bench
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def tiny_shape(monkeypatch):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]  # the bench's guard: 900 s
 
 
 def test_bench_vllm_one_example(tmp_path):

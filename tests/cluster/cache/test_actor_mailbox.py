@@ -15,7 +15,7 @@ from cluster.cache import puts as puts_mod
 from cluster.workloads.faults import sigstopped
 from tests.factories import NAMESPACE, make_key, returns_within, shard_kv
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 #: the bound in this test (the default, 256, would need 256 chunks)
 BOUND = 8

@@ -16,8 +16,7 @@ import torch
 from tests.factories import NAMESPACE, make_key, returns_within, shard_kv
 
 
-@pytest.mark.shared_ray
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_agent_round_trip_then_lost_agent_falls_back_and_reconnects(kvconfig, shards):
     from cluster.cache.agent_client import AgentClient
     from cluster.cache.local import LocalCacheClient
@@ -68,6 +67,7 @@ def test_agent_round_trip_then_lost_agent_falls_back_and_reconnects(kvconfig, sh
         client.close()
 
 
+@pytest.mark.unit
 def test_no_ray_means_fallback_without_an_agent():
     """Nothing listens at ray_address: no agent process, the fallback serves, nothing raises."""
     from cluster.cache.agent_client import AgentClient
@@ -88,6 +88,7 @@ def test_no_ray_means_fallback_without_an_agent():
         client.close()
 
 
+@pytest.mark.unit
 def test_wire_refuses_frames_over_its_limits():
     from cluster.cache.wire import MAX_BUFFER_BYTES, WireError, recv_frame, send_frame
 
@@ -113,8 +114,7 @@ def test_wire_refuses_frames_over_its_limits():
             recv_frame(f)
 
 
-@pytest.mark.shared_ray
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_client_that_fell_back_reconnects_when_shards_come(kvconfig, shards):
     """Ray answers but its namespace has no shards yet: the fallback serves; once shards are
     started there, the next agent finds them and hits come from the shared cache."""

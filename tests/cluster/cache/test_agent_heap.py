@@ -15,6 +15,8 @@ from cluster.cache.wire import recv_frame
 from cluster.heap import HeapTrimmer
 from tests.factories import make_key
 
+pytestmark = pytest.mark.unit
+
 
 class _Client:
     """What the agent calls on its CacheClient for put, lookup and stats."""

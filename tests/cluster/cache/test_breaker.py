@@ -12,6 +12,8 @@ import pytest
 from cluster.cache.breaker import ALL, CLOSED, HALF_OPEN, OPEN, PROBE, TierBreaker
 from tests.factories import FakeClock
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def clock():

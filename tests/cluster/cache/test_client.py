@@ -9,7 +9,7 @@ import torch
 
 from tests.factories import NAMESPACE, make_key, shard_kv
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 
 def test_one_shard_per_node(ray_cluster, shards, kvconfig):

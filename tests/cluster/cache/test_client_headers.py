@@ -14,6 +14,8 @@ from cluster.cache.headers import HeaderEntry
 from tests.factories import make_key, ray_free_client
 from tiers.format import ChunkHeader, LayerEntry
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def client(monkeypatch):

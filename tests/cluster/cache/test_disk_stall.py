@@ -13,6 +13,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from cluster.workloads.faults import stalled_file
@@ -28,6 +29,8 @@ from tiers.codec import layer_tensor
 from tiers.config import TiersConfig
 from tiers.disk import DiskTier
 from tiers.format import decode_layer, parse_header
+
+pytestmark = pytest.mark.unit
 
 HANG_S = 90.0
 

@@ -26,6 +26,7 @@ def _namespace() -> str:
     return uuid.uuid4().hex[:16]
 
 
+@pytest.mark.unit
 def test_without_ray_one_disk_client_per_namespace_is_shared(config, monkeypatch):
     monkeypatch.setattr(factory, "connect", lambda cluster_config: None)
     ns, other = _namespace(), _namespace()
@@ -40,6 +41,7 @@ def test_without_ray_one_disk_client_per_namespace_is_shared(config, monkeypatch
     assert local_client(config).contains([key]) == [True]
 
 
+@pytest.mark.unit
 def test_a_client_that_cannot_be_built_falls_back_with_a_warning(config, monkeypatch, caplog):
     def broken(cluster_config):
         raise RuntimeError("GCS handshake failed")
@@ -53,6 +55,7 @@ def test_a_client_that_cannot_be_built_falls_back_with_a_warning(config, monkeyp
             in caplog.text)
 
 
+@pytest.mark.unit
 def test_without_fallback_on_error_the_caller_sees_the_error(config, monkeypatch):
     """ingest and the demo (no fallback): a malformed address is the caller's ValueError, a
     broken disk cache an error, never a silent in-memory cache that is lost at exit."""
@@ -70,6 +73,7 @@ def test_without_fallback_on_error_the_caller_sees_the_error(config, monkeypatch
         factory.make_client(config, _namespace())
 
 
+@pytest.mark.unit
 def test_a_disk_cache_that_cannot_be_opened_falls_back_to_memory(config, monkeypatch, caplog):
     def no_disk(config, device="cpu"):
         raise PermissionError("read-only file system")
@@ -83,7 +87,7 @@ def test_a_disk_cache_that_cannot_be_opened_falls_back_to_memory(config, monkeyp
     assert "cache client unavailable (PermissionError: read-only file system)" in caplog.text
 
 
-@pytest.mark.shared_ray
+@pytest.mark.cluster
 def test_with_shards_a_ray_client_whose_threads_run_the_initializer(kvconfig, shards):
     from cluster.cache.client import CacheClient
 

@@ -53,6 +53,8 @@ from tiers.codec import layer_tensor
 from tiers.config import TiersConfig
 from tiers.format import decode_layer, parse_header
 
+pytestmark = pytest.mark.cluster
+
 #: seconds any one call may take before it counts as a hang (a guard, never a timing assertion)
 HANG_S = 90.0
 #: the shards' lookup deadline: 4x the default, so that on a loaded 2-core machine every read

@@ -31,6 +31,8 @@ from tests.factories import (
 )
 from tiers.config import TiersConfig
 
+pytestmark = pytest.mark.unit
+
 FAULT_METRICS = ("kvblend_writes_dropped", "kvblend_lookup_timeouts",
                  "kvblend_breaker_transitions", "kvblend_breaker_open")
 #: generous: the deadline must not pass while the tiers answer at once on a loaded machine

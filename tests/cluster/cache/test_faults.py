@@ -12,7 +12,7 @@ import torch
 
 from tests.factories import NAMESPACE, make_key, returns_within, shard_kv, wait_gone
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 
 def _wait_ready(handle, old_pid: int, timeout_s: float = 90.0) -> dict:

@@ -17,6 +17,8 @@ from cluster.cache.headers import HeaderEntry
 from tests.factories import make_key, ray_free_client
 from tiers.format import ChunkHeader, LayerEntry
 
+pytestmark = pytest.mark.unit
+
 
 class _Clock:
     def __init__(self) -> None:

@@ -11,6 +11,8 @@ from tiers.codec import encode_kv
 from tiers.format import parse_header
 from tiers.keys import Namespace, segment_key
 
+pytestmark = pytest.mark.unit
+
 NS = Namespace("m", "fp", "bfloat16", 2, 2, 4).digest()
 
 

@@ -16,6 +16,8 @@ from tests.factories import make_key, make_kv, make_object, ray_free_shard, stop
 from tiers.config import TiersConfig
 from tiers.format import parse_header
 
+pytestmark = pytest.mark.unit
+
 HANG_S = 5.0
 BLOCK_S = 60.0
 TIMEOUT_S = 0.25

@@ -19,6 +19,8 @@ from cluster.cache import router as router_mod
 from tests.factories import make_key, make_kv, make_object, returns_within
 from tiers.format import parse_header
 
+pytestmark = pytest.mark.cluster
+
 HANG_S = 5.0
 BLOCK_S = 60.0
 SHARDS = ("shard-fast", "shard-slow")

@@ -14,7 +14,7 @@ import torch
 
 from tests.factories import make_key, shard_kv
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 GRAFANA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "cluster", "grafana", "kvblend.json")
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.factories import make_key, shard_kv
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -21,7 +21,7 @@ from tests.factories import (
     shard_kv,
 )
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import pytest
 from cluster.cache.placement import Placement, owner
 from tiers.keys import segment_key
 
+pytestmark = pytest.mark.unit
+
 KEYS = [str(segment_key("ns0123456789abcd", [i, i * 7 + 1])) for i in range(10_000)]
 
 

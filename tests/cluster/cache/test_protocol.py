@@ -17,6 +17,8 @@ from cluster.cache.local import LocalCacheClient
 from cluster.cache.protocol import CacheClientProtocol
 from tests.factories import make_key, make_object, shard_kv
 
+pytestmark = pytest.mark.unit
+
 CONTRACT = {"lookup", "fetch_layers", "fetch_layer", "host_layers", "put", "flush", "contains", "delete", "stats", "close"}
 
 

@@ -23,6 +23,8 @@ from tests.factories import HANG_S, make_key, make_kv, ray_free_shard, returns_w
 from tiers.codec import encode_kv
 from tiers.config import TiersConfig
 
+pytestmark = pytest.mark.unit
+
 
 # -- ShardWriter ----------------------------------------------------------------------------------
 class _Ref:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from cluster.cache.connect import _unseeded_random
+
+pytestmark = pytest.mark.unit
 
 
 def test_ray_init_draws_fresh_ids_in_identically_seeded_processes():

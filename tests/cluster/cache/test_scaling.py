@@ -11,7 +11,7 @@ import torch
 
 from tests.factories import NAMESPACE, make_key, shard_kv
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 
 def test_new_shards_move_keys_which_become_counted_misses(ray_cluster, tmp_path_factory):

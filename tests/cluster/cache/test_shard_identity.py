@@ -2,9 +2,8 @@
 
 A Ray node restarted on the same machine gets a new node id, hence new shard actor names; its
 shards must reopen the disk directories of their predecessors and find their chunks. Unit
-tests of the naming and the directory lock run without Ray; the restart test starts its own
-``ray.cluster_utils.Cluster`` (no ``shared_ray``: it runs, and shuts down, before the
-session cluster exists).
+tests of the naming and the directory lock run without Ray (lane ``unit``); the restart test
+(lane ``cluster``) starts its own ``ray.cluster_utils.Cluster`` and shuts it down.
 """
 
 from __future__ import annotations
@@ -29,28 +28,33 @@ RESOURCE = "kvblend_shard"
     ("a/b c:d", "a_b_c_d"),
     (".hidden", "hidden"),
 ])
+@pytest.mark.unit
 def test_sanitize_gives_one_safe_path_component(raw, want):
     assert identity.sanitize(raw) == want
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("raw", ["", "   ", "..", "/"])
 def test_sanitize_rejects_names_with_nothing_usable(raw):
     with pytest.raises(ValueError, match="no usable characters"):
         identity.sanitize(raw)
 
 
+@pytest.mark.unit
 def test_node_name_is_the_variable_else_the_host_name():
     assert identity.node_name({"KVBLEND_NODE_NAME": "gpu-node-7"}) == "gpu-node-7"
     assert identity.node_name({"KVBLEND_NODE_NAME": "  "}) == identity.sanitize(socket.gethostname())
     assert identity.node_name({}) == identity.sanitize(socket.gethostname())
 
 
+@pytest.mark.unit
 def test_kvblend_node_name_is_a_known_variable_not_a_config_field():
     from cluster.config import load_config
 
     load_config(environ={"KVBLEND_NODE_NAME": "node-1"})  # an unknown KVBLEND_* would raise
 
 
+@pytest.mark.unit
 def test_a_locked_directory_is_not_opened_twice(tmp_path):
     """Two live shards with one node name and index (two hostPath pods on one Kubernetes
     node) get different directories; once the holder is gone its directory is free again."""
@@ -82,7 +86,7 @@ def _ready(names: list[str], ns: str) -> dict[int, dict]:
     return {int(info["name"].rsplit("-", 1)[1]): info for info in infos}
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_restarted_node_finds_its_chunks_under_a_new_node_id(tmp_path):
     import ray
     from ray.cluster_utils import Cluster

@@ -12,6 +12,8 @@ from cluster.cache import shard as shard_mod
 from tests.factories import make_key, ray_free_shard, stop_shard
 from tiers.config import TiersConfig
 
+pytestmark = pytest.mark.unit
+
 OBJECT = bytes(16)
 
 

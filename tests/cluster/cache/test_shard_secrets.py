@@ -13,6 +13,8 @@ import pytest
 from cluster.config import load_config
 from tests.factories import stop_shard
 
+pytestmark = pytest.mark.cluster
+
 PW = "hunter2pw"
 URL = f"redis://:{PW}@redis:6379/0"
 CREDS = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLEKEY", "AWS_SECRET_ACCESS_KEY": "s3cr3t-aws-key"}
@@ -45,6 +47,12 @@ def recorded(monkeypatch, tmp_path):
         {"Alive": True, "NodeID": "ab" * 28, "Resources": {"kvblend_shard": 1.0}},
         {"Alive": True, "NodeID": "cd" * 28, "Resources": {"kvblend_shard": 1.0}}])
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: True)
+    # the node and actor listings ask Ray's state API, which would start a real Ray in this
+    # process (ray.init on first use) and leave it connected for the modules after this one
+    from cluster.cache import lifecycle
+
+    monkeypatch.setattr(lifecycle, "node_names", lambda node_ids, timeout_s: {})
+    monkeypatch.setattr(lifecycle, "shard_names", lambda namespace: [])
     return rec
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.factories import NAMESPACE, make_key, redis_shards, shard_kv
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")

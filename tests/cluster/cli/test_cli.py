@@ -14,7 +14,7 @@ import pytest
 
 from tests.factories import NAMESPACE, make_key, shard_kv
 
-pytestmark = [pytest.mark.shared_ray, pytest.mark.slow]
+pytestmark = pytest.mark.cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -4,8 +4,7 @@ the dashboard's actors page, rendered by headless Chromium (``apt-get install -y
 skipped without it), shows their names.
 
 This test starts its own Ray (in the server process, killed at the end by its pid) with a
-small object store; it carries no run-order marker, so it runs before the ``shared_ray`` tests
-start the session cluster.
+small object store.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import uuid
 import pytest
 
 from cluster.workloads.services import free_port
+
+pytestmark = pytest.mark.cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -23,7 +23,7 @@ import pytest
 from cluster.workloads.local_ray import end_ray_node
 from cluster.workloads.services import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
 BIN = pathlib.Path(sys.executable).parent
 

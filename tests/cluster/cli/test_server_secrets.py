@@ -11,6 +11,8 @@ import pytest
 
 from cluster.cli import server
 
+pytestmark = pytest.mark.cluster
+
 PW = "hunter2pw"
 URL = f"redis://:{PW}@redis:6379/0"
 MASKED = "redis://:***@redis:6379/0"

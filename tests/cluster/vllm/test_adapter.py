@@ -15,11 +15,11 @@ from blend.segments import build_blend_prompt
 from blend.selection import num_to_select, squared_deviation
 from tests.cluster.vllm.helpers import generate, passage, wait_stored
 
-pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def adapters(blend_llm, smollm2_path):
+def adapters(shared_blend_llm, smollm2_path):
     from blend.adapters.hf import HFModelAdapter
     from blend.adapters.vllm import VLLMModelAdapter
     from cluster.vllm.model_hook import current_model
@@ -29,7 +29,7 @@ def adapters(blend_llm, smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def local_client(blend_llm):
+def local_client(shared_blend_llm):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group().client  # the process's local cache the connector stores into

@@ -24,7 +24,7 @@ from tests.cluster.vllm.helpers import (
     wait_stored,
 )
 
-pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+pytestmark = pytest.mark.engine
 
 
 

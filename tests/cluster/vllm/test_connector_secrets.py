@@ -11,6 +11,8 @@ import pytest
 
 from tests.cluster.vllm.helpers import stand_in_vllm_config
 
+pytestmark = pytest.mark.cluster
+
 PW = "hunter2pw"
 URL = f"redis://:{PW}@redis:6379/0"
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from cluster.vllm.events import EventLog, read_events
+
+pytestmark = pytest.mark.unit
 
 
 def test_events_round_trip_in_order(tmp_path):

@@ -33,7 +33,7 @@ from tests.cluster.vllm.helpers import (
 )
 from tests.cluster.vllm.pressure import run_with_few_blocks, short_of_a_block
 
-pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]  # the hybrid runs' guard: 900 s
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 

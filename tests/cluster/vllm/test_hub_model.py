@@ -35,7 +35,7 @@ from tests.cluster.hf_cache import REPO, hub_cache
 from tests.cluster.vllm.helpers import NO_RAY, SYSTEM, passage
 from tests.serving import http_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.engine
 
 BIN = pathlib.Path(sys.executable).parent
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -21,7 +21,7 @@ from tests.cluster.vllm.helpers import (
     settle,
 )
 
-pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+pytestmark = pytest.mark.engine
 
 PLAIN = {"kvblend_load": False, "kvblend_store": False}
 

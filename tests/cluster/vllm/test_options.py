@@ -6,8 +6,12 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from cluster.vllm.events import WarnOnce
 from cluster.vllm.options import request_params
+
+pytestmark = pytest.mark.unit
 
 
 def test_unknown_kvblend_keys_warn_once_and_hold_no_state_per_key(caplog):

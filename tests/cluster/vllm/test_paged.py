@@ -7,6 +7,8 @@ import torch
 
 from cluster.vllm import paged
 
+pytestmark = pytest.mark.unit
+
 NUM_BLOCKS, BLOCK_SIZE, H, D = 6, 4, 3, 8
 
 

@@ -17,7 +17,7 @@ from tests.cluster.vllm.helpers import events, one_node_ray_cache
 PLUGIN_RUN = "tests.cluster.vllm.plugin_run"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]  # each engine run's guard: 900 s
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +67,30 @@ def ray_cache(tmp_path_factory):
         yield overrides
 
 
-def test_ray_cache_shared_by_scheduler_and_worker_processes(smollm2_path, tmp_path_factory, ray_cache):
-    """With the Ray-hosted cache the worker's stores are hits for the engine-core process's
-    lookups: the reordered request blends every segment."""
-    stats = str(tmp_path_factory.mktemp("plugin_ray") / "stats.jsonl")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1")
+def _plugin_run(smollm2_path, stats: str, ray_cache: dict, **env_extra) -> list[dict]:
+    """``plugin_run.py`` over the Ray cache in a fresh process; its outputs."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1", **env_extra)
     proc = subprocess.run([sys.executable, "-m", PLUGIN_RUN,
                            smollm2_path, stats, json.dumps(ray_cache)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    cold, blended, _ = json.loads(lines[-1][len("RESULT "):])["outputs"]
+    return json.loads(lines[-1][len("RESULT "):])["outputs"]
+
+
+@pytest.fixture(scope="module")
+def ray_writer_run(smollm2_path, tmp_path_factory, ray_cache):
+    """Engine A over the Ray cache (cold, reordered, repeat), exited: ``(outputs, stats path)``.
+    A fixture, so the test of engine B that reads what A stored needs no other test to run
+    first."""
+    stats = str(tmp_path_factory.mktemp("plugin_ray") / "stats.jsonl")
+    return _plugin_run(smollm2_path, stats, ray_cache), stats
+
+
+def test_ray_cache_shared_by_scheduler_and_worker_processes(ray_writer_run):
+    """With the Ray-hosted cache the worker's stores are hits for the engine-core process's
+    lookups: the reordered request blends every segment."""
+    (cold, blended, _), stats = ray_writer_run
     assert sum(st["stored"] for st in events(stats, cold["request_id"], "store")) == 4
     lookup = events(stats, blended["request_id"], "lookup")[0]
     assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 4)  # the system prompt and 3 passages
@@ -85,17 +98,12 @@ def test_ray_cache_shared_by_scheduler_and_worker_processes(smollm2_path, tmp_pa
     assert not load["fallback"] and load["num_hit_segments"] == 4
 
 
-def test_second_engine_hits_chunks_stored_by_the_first(smollm2_path, tmp_path_factory, ray_cache):
+def test_second_engine_hits_chunks_stored_by_the_first(smollm2_path, tmp_path_factory, ray_cache,
+                                                        ray_writer_run):
     """Issue 6 test 3: engine B, another process started after engine A exited (A's connector
     flushed its stores at shutdown), blends every segment from the Ray-hosted cache."""
     stats = str(tmp_path_factory.mktemp("plugin_ray_b") / "stats.jsonl")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1", PLUGIN_RUN_PHASE="reader")
-    proc = subprocess.run([sys.executable, "-m", PLUGIN_RUN,
-                           smollm2_path, stats, json.dumps(ray_cache)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (blended,) = json.loads(lines[-1][len("RESULT "):])["outputs"]
+    (blended,) = _plugin_run(smollm2_path, stats, ray_cache, PLUGIN_RUN_PHASE="reader")
     lookup = events(stats, blended["request_id"], "lookup")[0]
     assert (lookup["path"], lookup["num_hit_segments"]) == ("blend", 4)
     assert not events(stats, blended["request_id"], "store")  # nothing new to store

@@ -24,7 +24,7 @@ from blend.segments import build_blend_prompt
 from tests.cluster.vllm.helpers import FULL, SYSTEM, assert_matches_full, passage
 from tests.cluster.vllm.pressure import run_with_few_blocks, short_of_a_block
 
-pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+pytestmark = pytest.mark.engine
 
 #: seconds a held put waits for the engine to finish (a hang guard)
 HOLD_S = 600.0

@@ -15,6 +15,8 @@ import pytest
 from cluster.vllm.worker import KVBlendWorker
 from tests.factories import make_key
 
+pytestmark = pytest.mark.unit
+
 HANG_S = 60.0
 
 

@@ -22,6 +22,8 @@ from cluster.vllm.scheduler import AllRanksLookup, KVBlendScheduler
 from tests.factories import NAMESPACE, make_kv, make_namespace
 from tiers.keys import prefix_keys, segment_key
 
+pytestmark = pytest.mark.unit
+
 BLOCK_SIZE = 16
 CHUNK_SIZE = 32
 SYSTEM = "Answer from the passages."

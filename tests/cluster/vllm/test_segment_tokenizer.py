@@ -20,6 +20,8 @@ from cluster.vllm.segment_tokenizer import (
     separator_for,
 )
 
+pytestmark = pytest.mark.unit
+
 SEP = " # # "
 SYSTEM = "You are a very helpful assistant."
 CHUNKS = ["Hello, how are you?" * 4, "Hello, what's up?" * 4, "Hey, how can i do" * 4]

@@ -30,6 +30,8 @@ from tests.cluster.vllm.test_scheduler import (
 from tests.factories import NAMESPACE
 from tiers.keys import segment_key
 
+pytestmark = pytest.mark.unit
+
 SEP = " # # "
 SYSTEM = "You are a very helpful assistant."
 CHUNKS = ["Hello, how are you?" * 6, "Hello, what's up?" * 6, "Hey, how can i do" * 6]

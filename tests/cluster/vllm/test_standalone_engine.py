@@ -21,7 +21,7 @@ from tests.cluster.vllm.helpers import (
 )
 from tiers.keys import segment_key
 
-pytestmark = [pytest.mark.vllm_engine, pytest.mark.slow]
+pytestmark = pytest.mark.engine
 
 
 def test_passage_alone_is_its_canonical_chunk_and_first_passages_are_reused(blend_llm, blend_stats_path, tokenizer):

@@ -18,6 +18,8 @@ from cluster.vllm import store_queue as sq
 from cluster.vllm.events import EventLog, WarnOnce, read_events
 from tests.factories import HANG_S, make_key, returns_within
 
+pytestmark = pytest.mark.unit
+
 SHAPE = (2, 2, 4, 2, 8)  # [L, 2, T, H, D] of every segment: 4 tokens, 1 KiB in float32
 
 

@@ -26,6 +26,8 @@ from tests.cluster.vllm.helpers import passage, stand_in_vllm_config
 from tests.factories import NAMESPACE, make_kv
 from tiers.keys import prefix_keys, segment_key
 
+pytestmark = pytest.mark.unit
+
 PASSAGES = [passage(71, 3), passage(72, 3)]
 
 

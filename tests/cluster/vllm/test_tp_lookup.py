@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from cluster.cache.local import LocalCacheClient
 from cluster.vllm.scheduler import AllRanksLookup
 from tiers.keys import ChunkKey
+
+pytestmark = pytest.mark.unit
 
 RANKS = ["aa" * 8, "bb" * 8]
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from cluster.vllm.events import EventLog, WarnOnce, read_events
 from cluster.vllm.metadata import LoadSpec
 from cluster.vllm.metrics import Counters
 from cluster.vllm.worker import KVBlendWorker, _LoadRun
+
+pytestmark = pytest.mark.unit
 
 _COUNTERS = SimpleNamespace(num_segments=2, num_hit_segments=2, reused_tokens=8, computed_tokens=4,
                             selected_tokens=1, selection="k_deviation", selection_fallback=None, probe_s=0.0,

@@ -6,6 +6,7 @@ import gc
 import weakref
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 from blend.protocols import KVSource, fetch_each
@@ -13,6 +14,8 @@ from cluster.cache.local import DeferredRead, LocalCacheClient
 from cluster.vllm.worker_source import WorkerKVSource, build_worker_source
 from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
+
+pytestmark = pytest.mark.unit
 
 L, T, H, D = 3, 5, 2, 4
 

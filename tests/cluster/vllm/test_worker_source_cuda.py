@@ -28,9 +28,9 @@ from tiers.host import HostTier
 from tiers.keys import segment_key
 from tiers.staging import StagedSource
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
+# skipped without CUDA by the gpu marker (tests/conftest.py), test by test: a module-level skip
+# would be reported once by every lane's process
+pytestmark = [pytest.mark.gpu, pytest.mark.unit]
 CUDA = torch.device("cuda")
 NAMESPACE = "0123456789abcdef"
 

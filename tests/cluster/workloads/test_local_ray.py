@@ -17,17 +17,19 @@ import pytest
 from cluster.workloads.local_ray import LocalRay, ray_node_processes, stop_hint
 from cluster.workloads.replicas import kvblend_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.cluster
 
-#: where Ray's ``auto`` address lives (what ``ray start --head`` without ``--temp-dir`` writes)
-AUTO_ADDRESS_FILE = "/tmp/ray/ray_current_cluster"
 #: a small shard: nothing is stored (each head keeps its dashboard, on a port of its own)
 SMALL = ["--host-size-gib", "0.01", "--disk-size-gib", "0", "--object-store-gib", "0.2"]
 
 
 def _auto_address() -> str | None:
+    """What Ray's ``auto`` file holds (what ``ray start --head`` without ``--temp-dir`` writes;
+    this module's own RAY_TMPDIR in the suite: tests/conftest.py)."""
+    from cluster.cache.connect import ray_address_file
+
     try:
-        with open(AUTO_ADDRESS_FILE) as fh:
+        with open(ray_address_file()) as fh:
             return fh.read()
     except OSError:
         return None
