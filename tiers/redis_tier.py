@@ -45,7 +45,7 @@ from tiers.tier import Buffer
 
 log = logging.getLogger(__name__)
 
-_COUNTERS = ("hits", "misses", "errors", "puts", "too_large", "bytes_read", "bytes_written")
+_COUNTERS = ("hits", "misses", "errors", "puts", "too_large", "oversized", "bytes_read", "bytes_written")
 _DEFAULT_MAX_BULK = 512 * 1024 * 1024
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
@@ -169,14 +169,33 @@ class RedisTier:
             self._stats["bytes_written"] += view.nbytes
         return True
 
-    def get(self, key: ChunkKey) -> bytes | None:
+    def get(self, key: ChunkKey, max_bytes: int | None = None) -> bytes | None:
+        """The whole value, or None (missing, an error). With ``max_bytes``, a value longer
+        than that is a miss counted in ``oversized``, found before it is read: ``STRLEN`` and
+        a ``GETRANGE`` of at most ``max_bytes`` bytes in one pipelined round trip."""
+        if max_bytes is None:
+            try:
+                data = self._client.get(self._rkey(key))
+            except self._errors() as e:
+                self._error("get", key, e)
+                return None
+            self._record(data)
+            return data
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes={max_bytes} must be positive")
         try:
-            data = self._client.get(self._rkey(key))
+            pipe = self._client.pipeline(transaction=False)
+            pipe.strlen(self._rkey(key))
+            pipe.getrange(self._rkey(key), 0, max_bytes - 1)
+            size, data = pipe.execute()
         except self._errors() as e:
             self._error("get", key, e)
             return None
-        self._record(data)
-        return data
+        if size > max_bytes or len(data) != size:  # over the bound, or changed in between
+            self._count("oversized" if size > max_bytes else "errors")
+            return None
+        self._record(data or None)  # STRLEN/GETRANGE of a missing key: 0, b""
+        return data or None
 
     def head(self, key: ChunkKey, max_bytes: int) -> bytes | None:
         """The first ``min(max_bytes, size)`` bytes (one GETRANGE), or None."""

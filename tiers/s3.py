@@ -45,7 +45,7 @@ from tiers.tier import Buffer
 
 log = logging.getLogger(__name__)
 
-_COUNTERS = ("hits", "misses", "errors", "puts", "bytes_read", "bytes_written")
+_COUNTERS = ("hits", "misses", "errors", "puts", "oversized", "bytes_read", "bytes_written")
 _MISSING = ("NoSuchKey", "404", "NotFound")
 _ALREADY = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 _NO_CONDITIONAL = ("NotImplemented", "501")
@@ -209,11 +209,26 @@ class S3Tier:
         self._hit(0)
         return _Body(self, body)
 
-    def get(self, key: ChunkKey) -> bytes | None:
+    def get(self, key: ChunkKey, max_bytes: int | None = None) -> bytes | None:
+        """The whole object, or None (missing, an error). With ``max_bytes``, an object longer
+        than that is a miss counted in ``oversized``, found from the response's
+        ``ContentLength`` before its body is read (the body is closed unread)."""
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes={max_bytes} must be positive")
         try:
-            data = self._get(key, None)["Body"].read()
+            response = self._get(key, None)
+            if max_bytes is not None and int(response.get("ContentLength", 0)) > max_bytes:
+                response["Body"].close()
+                with self._lock:
+                    self._stats["oversized"] += 1
+                return None
+            data = response["Body"].read()
         except self._errors() as e:
             self._fail("get", key, e)
+            return None
+        if max_bytes is not None and len(data) > max_bytes:
+            with self._lock:
+                self._stats["oversized"] += 1
             return None
         self._hit(len(data))
         return data

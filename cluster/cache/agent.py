@@ -9,18 +9,25 @@ talks to it over a Unix socket (:mod:`cluster.cache.wire`: JSON plus raw KV buff
 pickle), and when it exits — Ray killed it, or it crashed — serves misses (full prefill,
 counted) and starts a new one once the head answers again.
 
-Run as ``python -m cluster.cache.agent <socket fd>`` by :class:`AgentClient` only. The first
-frame is ``{"op": "hello", "config": {field: value}, "namespace": digest}``; the answer is
-``{"ok": true, "pid", "shards"}``, or ``{"ok": false, "why"}`` and exit (Ray unreachable, no
-shards). Then every request ``{"id", "op", ...}`` gets one answer ``{"id", "ok", "result"}``
-(or ``"error"``), computed on one of :data:`WORKERS` threads so a slow fetch never delays a
-lookup. End of stream (the vLLM process exited) ends the agent at once.
+Run by :class:`AgentClient` only, as ``python -I -c <boot> <package root> <socket fd>``
+(:func:`main`). The first frame is ``{"op": "hello", "config": {field: value}, "namespace":
+digest, "io_timeout_s"}``; the answer is ``{"ok": true, "pid", "shards"}``, or ``{"ok": false,
+"why"}`` and exit (Ray unreachable, no shards). Then every request ``{"id", "op", ...}`` gets
+one answer ``{"id", "ok", "result"}`` (or ``"error"``), computed on one of :data:`WORKERS`
+threads so a slow fetch never delays a lookup, and a heartbeat ``{"beat": n}`` goes out every
+:data:`cluster.cache.wire.BEAT_S` (the client takes silence for a stuck agent). End of stream
+(the vLLM process exited), a frame the wire refuses, a send that does not finish within
+``io_timeout_s`` (the vLLM process stopped reading) or any other failure of the serve loop ends
+the agent at once.
 
 Operations: ``lookup`` (keys -> ``[num_tokens, position runs, tier]`` or null), ``objects``
-(keys -> each mapped chunk object's bytes as a buffer: the agent holds it zero-copy from the
-node's object store and the copy into the socket is the only one), ``contains``, ``delete``,
-``clear`` (a namespace on every shard), ``put`` (one ``[L, 2, T, H, D]`` tensor as a buffer),
-``flush``, ``stats`` (the client's statistics and ``heap_trims``).
+(keys -> ``"host"``, ``"shared"`` or null, and each present object's bytes as a buffer: the
+agent holds a mapped one zero-copy from the node's object store and the copy into the socket is
+the only one; one only Redis or S3 still holds (owner shard dead) is read whole, at most the
+size its known header gives, and sent only when its header and every layer pass their checks,
+tags included when a key is set), ``contains``, ``delete``, ``clear`` (a namespace on every
+shard), ``put`` (one ``[L, 2, T, H, D]`` tensor as a buffer), ``flush``, ``stats`` (the
+client's statistics, ``heap_trims`` and ``shared_rejected``).
 
 Memory: each ``put`` frame's buffer (and an ``objects`` answer read from a shared tier rather
 than mapped) is a few MiB of heap, freed once answered; glibc keeps such freed blocks (while a
@@ -38,6 +45,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from cluster.cache.wire import BEAT_S, Idle, WireError, recv_frame, send_frame, set_io_timeout
 from cluster.env import configure_object_auth
 from cluster.heap import HeapTrimmer
 
@@ -50,6 +58,8 @@ ORDERED_OPS = frozenset({"put", "flush", "delete", "clear"})
 #: operations whose buffers (a stored chunk's KV, objects read from a shared tier) are large
 #: heap blocks freed after the answer: a heap trim is asked for after each
 BUFFER_OPS = frozenset({"put", "objects"})
+#: seconds the agent waits for its hello frame
+HELLO_TIMEOUT_S = 60.0
 
 
 def _all_cpus() -> None:
@@ -68,27 +78,42 @@ class Agent:
         self.send_lock = threading.Lock()
         self.client = None
         self.heap_trims = 0
+        self.shared_rejected = 0  # objects from Redis/S3 refused (over their size, failed checks)
         self.heap = HeapTrimmer(on_trim=self._trimmed)
+        self._done = threading.Event()
 
     def _trimmed(self, seconds: float) -> None:
         self.heap_trims += 1
 
     def send(self, message: dict, buffers: list | tuple = ()) -> None:
-        from cluster.cache.wire import send_frame
-
         send_frame(self.sock, self.send_lock, message, buffers)
+
+    def broken(self, why: str) -> None:
+        """The link cannot carry frames any more (a send failed or timed out): end serving."""
+        if not self._done.is_set():
+            log.warning("kvblend agent: link to the vLLM process broken (%s); exiting", why)
+        self._done.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # the serve loop's receive ends at once
+        except OSError:
+            pass
 
     def hello(self) -> bool:
         """Read the hello frame, connect to Ray and answer; False when there is nothing to serve."""
         from cluster.cache.connect import connect
         from cluster.cache.lifecycle import shard_names
-        from cluster.cache.wire import recv_frame
         from cluster.config import load_config
 
-        message, _ = recv_frame(self.sock)
+        try:
+            message, _ = recv_frame(self.sock)
+        except Idle:
+            return False
         if message.get("op") != "hello":
             self.send({"ok": False, "why": "expected hello"})
             return False
+        io_timeout_s = message.get("io_timeout_s")
+        if isinstance(io_timeout_s, (int, float)) and io_timeout_s > 0:
+            set_io_timeout(self.sock, float(io_timeout_s))
         config = load_config(overrides=message["config"], environ={}, overrides_origin="agent")
         try:
             if connect(config.cluster) is None:
@@ -108,20 +133,38 @@ class Agent:
         return True
 
     def serve(self) -> None:
-        """Answer requests until the vLLM process closes the socket."""
-        from cluster.cache.wire import WireError, recv_frame
-
+        """Answer requests until the vLLM process closes the socket, a frame is refused, a
+        send fails, or anything else goes wrong in this loop (then the agent exits: its client
+        serves misses and starts another)."""
         pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvblend-agent")
         # puts, flushes and deletes keep their order (a flush waits for the puts sent before
         # it); reads run beside them
         ordered = ThreadPoolExecutor(1, thread_name_prefix="kvblend-agent-writes")
-        while True:
+        threading.Thread(target=self._beat, name="kvblend-agent-beat", daemon=True).start()
+        try:
+            while not self._done.is_set():
+                try:
+                    message, buffers = recv_frame(self.sock)
+                except Idle:
+                    continue
+                lane = ordered if message.get("op") in ORDERED_OPS else pool
+                lane.submit(self.answer, message, buffers)
+        except (WireError, OSError):
+            pass
+        except BaseException as e:  # noqa: BLE001 - never a silent end: say why, then exit
+            log.warning("kvblend agent: serve loop failed (%s: %s); exiting", type(e).__name__, e)
+        finally:
+            self._done.set()
+
+    def _beat(self) -> None:
+        """A heartbeat frame every :data:`BEAT_S` while serving."""
+        n = 0
+        while not self._done.wait(BEAT_S):
+            n += 1
             try:
-                message, buffers = recv_frame(self.sock)
-            except (WireError, OSError):
-                return
-            lane = ordered if message.get("op") in ORDERED_OPS else pool
-            lane.submit(self.answer, message, buffers)
+                self.send({"beat": n})
+            except (OSError, ValueError) as e:
+                self.broken(f"heartbeat: {type(e).__name__}: {e}")
 
     def answer(self, message: dict, buffers: list) -> None:
         rid = message.get("id")
@@ -133,8 +176,14 @@ class Agent:
             reply, out = {"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"}, ()
         try:
             self.send(reply, out)
-        except (OSError, ValueError) as e:
+        except ValueError as e:  # over the wire's limits: nothing was sent; say so instead
             log.debug("agent reply failed: %r", e)
+            try:
+                self.send({"id": rid, "ok": False, "error": f"ValueError: {e}"})
+            except (OSError, ValueError) as e2:
+                self.broken(f"{type(e2).__name__}: {e2}")
+        except OSError as e:
+            self.broken(f"{type(e).__name__}: {e}")
         # free the frame's buffers now (the pool's work item holds the list until this returns)
         buffers.clear()
         del out
@@ -155,14 +204,12 @@ class Agent:
         if op == "objects":
             entries, arrays = client.map_for_read(keys)
             objects = [None if a is None else a[0] for a in arrays]
+            where = [None if o is None else "host" for o in objects]
             for i, (e, obj) in enumerate(zip(entries, objects, strict=True)):
-                # owner dead, a shared tier holds it: the whole object (the caller checks it)
-                for tier in client.shared_tiers() if e is not None and obj is None else ():
-                    objects[i] = tier.get(keys[i])
-                    if objects[i] is not None:
-                        client.count("direct_reads")
-                        break
-            return [o is not None for o in objects], [o for o in objects if o is not None]
+                if e is not None and obj is None:  # owner dead: a shared tier may hold it
+                    objects[i] = self.shared_object(keys[i], e.header)
+                    where[i] = None if objects[i] is None else "shared"
+            return where, [o for o in objects if o is not None]
         if op == "contains":
             return client.contains(keys), []
         if op == "delete":
@@ -179,18 +226,52 @@ class Agent:
         if op == "flush":
             return client.flush(float(message["timeout_s"])), []
         if op == "stats":
-            return {**client.stats(), "heap_trims": self.heap_trims}, []
+            return {**client.stats(), "heap_trims": self.heap_trims, "shared_rejected": self.shared_rejected}, []
         if op == "clear":
             return client.clear(message.get("namespace")), []
         raise ValueError(f"unknown agent op {op!r}")
 
+    def shared_object(self, key, header) -> bytes | None:
+        """``key``'s whole object from the first shared tier that holds a valid one: read only
+        when it is no longer than ``header`` (the one looked up) says, and checked whole —
+        header, and every layer's checksum, or tag when a key is set — before it goes to the
+        vLLM process. None otherwise (counted in ``shared_rejected``)."""
+        from tiers.format import FormatError, check_payload, parse_header
+
+        size = object_bytes(header)
+        for tier in self.client.shared_tiers():
+            obj = tier.get(key, max_bytes=size)
+            if obj is None:
+                continue
+            try:
+                got = parse_header(obj, expected_key=key)
+                if object_bytes(got) != len(obj):
+                    raise FormatError(f"{len(obj)} bytes, its header says {object_bytes(got)}")
+                view = memoryview(obj)
+                for i, e in enumerate(got.layers):
+                    check_payload(got, i, view[e.offset:e.offset + e.stored_len])
+            except FormatError as err:
+                log.debug("object of %s from %s rejected: %s", key, getattr(tier, "name", "?"), err)
+                self.shared_rejected += 1
+                continue
+            self.client.count("direct_reads")
+            return obj
+        return None
+
+
+def object_bytes(header) -> int:
+    """Length of the object ``header`` describes: its header and every layer's payload."""
+    return max([header.header_end] + [e.offset + e.stored_len for e in header.layers])
+
 
 def main(argv: list[str]) -> int:
+    """``argv``: the socket's file descriptor. Never returns (``os._exit``)."""
     _all_cpus()
     logging.basicConfig(level=os.environ.get("KVBLEND_AGENT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s kvblend-agent %(levelname)s %(message)s")
     configure_object_auth(dict(os.environ))  # the vLLM worker's key: it started us
     sock = socket.socket(fileno=int(argv[0]))
+    set_io_timeout(sock, HELLO_TIMEOUT_S)
     agent = Agent(sock)
     try:
         if agent.hello():

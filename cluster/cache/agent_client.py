@@ -8,8 +8,11 @@ head). This process never imports Ray. While the agent is up, calls go over its 
 ``lookup``         one round trip; waited for at most the lookup deadline (``lookup_timeout_s``
                    + margin) — a late answer is a miss for every key
 ``fetch_layers``   the chunk objects come over once per request (``objects``: raw bytes, the
-                   agent's only copy), then each layer is sliced and checked here;
-                   ``host_layers()`` hands the same mapped objects to a CUDA worker's staging
+                   agent's only copy), waited for at most ``load_timeout_s`` (the engine's own
+                   wait for a layer: a later answer could not be used); then each layer is
+                   sliced and checked here (its tag too, when a key is set and the object came
+                   from Redis or S3); ``host_layers()`` hands the same mapped objects to a CUDA
+                   worker's staging
 ``put``            the tensor's bytes, sent before returning; at most :data:`MAX_PUT_BYTES`
                    unanswered (more: the newest put is dropped and counted)
 ``contains``,      one round trip each, ``call_timeout_s`` (a timeout is a miss / False / 0)
@@ -17,7 +20,15 @@ head). This process never imports Ray. While the agent is up, calls go over its 
 ``flush``
 =================  ==========================================================================
 
-While the agent is down (never started, Ray killed it, it crashed), every call goes to
+The link (:class:`~cluster.cache.wire.AgentLink`) bounds every send and every frame's receive
+by ``io_timeout_s`` = max(1 s, ``call_timeout_s``), refuses answers over :data:`MAX_OBJECT_BYTES`
+a buffer before allocating them, and closes when the agent sent nothing — not even its
+heartbeat — for ``stuck_after_s`` = max(3 s, 2 x ``call_timeout_s``): so an agent that stopped
+(SIGSTOP), deadlocked or stopped reading is found within ``stuck_after_s`` + 0.5 s, killed, and
+its calls are misses. The agent runs the installed kvblend that this process imported, with
+``python -I`` (no working directory, ``PYTHONPATH`` or user site on its ``sys.path``).
+
+While the agent is down (never started, Ray killed it, it crashed, it was stuck), every call goes to
 ``fallback`` (the ``local_fallback`` client: machine-local disk, memory, or nothing), counted
 in ``agent_down_calls``; the next call after ``backoff`` seconds (1 s doubling to 30 s) probes
 the Ray address with one TCP connect (no Ray import) and, when it answers, starts a new agent
@@ -27,10 +38,6 @@ on a background thread. One log line per state change (up, down).
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -44,7 +51,7 @@ from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.local import DeferredRead
-from cluster.cache.wire import AgentLink, WireError, recv_frame, send_frame
+from cluster.cache.wire import AgentLink, spawn_agent
 from tiers.codec import DTYPE_NAMES, layer_tensor
 from tiers.format import FormatError, decode_layer, parse_header
 from tiers.keys import ChunkKey
@@ -59,6 +66,14 @@ BACKOFF_S = (1.0, 30.0)
 MAX_PUT_BYTES = 512 << 20
 #: bytes of chunk objects kept between requests (LRU; those of the running call always stay)
 MAX_MAPPED_BYTES = 256 << 20
+#: largest chunk object accepted from the agent (the wire's buffer limit for this link)
+MAX_OBJECT_BYTES = 2 << 30
+
+
+def link_timeouts(config) -> tuple[float, float]:
+    """``(io_timeout_s, stuck_after_s)`` of the agent link (see the module docstring)."""
+    call_s = config.cluster.call_timeout_s
+    return max(1.0, call_s), max(3.0, 2.0 * call_s)
 
 COUNTERS = ("lookups", "hits", "misses", "read_errors", "timeouts", "agent_errors", "agent_busy",
             "agent_down_calls", "agent_starts", "agent_exits", "puts", "puts_dropped",
@@ -94,11 +109,15 @@ class AgentClient:
         self.device = torch.device(device)
         self.timeout_s = config.cluster.call_timeout_s
         self.lookup_wait_s = lookup_wait_s(config)
+        #: the objects call's wait: the engine's own wait for a layer (``load_timeout_s``)
+        self.objects_wait_s = config.blend.load_timeout_s
+        self.io_timeout_s, self.stuck_after_s = link_timeouts(config)
         self.max_mapped_bytes = MAX_MAPPED_BYTES
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._link: AgentLink | None = None
-        self._objects: OrderedDict[ChunkKey, tuple[np.ndarray, object]] = OrderedDict()
+        #: key -> (object bytes, header, came from a shared tier: its layers are authenticated here)
+        self._objects: OrderedDict[ChunkKey, tuple[np.ndarray, object, bool]] = OrderedDict()
         self._put_bytes = 0
         self._starting = False
         self._closed = False
@@ -167,32 +186,9 @@ class AgentClient:
             log.debug("%s", message)
 
     def _spawn(self, timeout_s: float) -> tuple[AgentLink | None, str]:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "cluster.cache.agent", str(child.fileno())],
-                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                    cwd=os.getcwd(), env=_agent_env())
-        finally:
-            child.close()
-        try:
-            parent.settimeout(timeout_s)
-            send_frame(parent, threading.Lock(), {"op": "hello", "config": self.config.as_flat_dict(),
-                                                  "namespace": self.namespace})
-            answer, _ = recv_frame(parent)
-            parent.settimeout(None)
-        except (OSError, WireError) as e:
-            proc.kill()
-            parent.close()
-            return None, f"agent did not answer within {timeout_s:.0f} s ({type(e).__name__})"
-        if not answer.get("ok"):
-            parent.close()
-            try:
-                proc.wait(timeout=5.0)  # it exits after saying why
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            return None, str(answer.get("why"))
-        return AgentLink(proc, parent, int(answer["pid"]), self._lost), f"{answer.get('shards')} shard(s)"
+        hello = {"op": "hello", "config": self.config.as_flat_dict(), "namespace": self.namespace}
+        return spawn_agent(hello, self._lost, start_timeout_s=timeout_s, io_timeout_s=self.io_timeout_s,
+                           stuck_after_s=self.stuck_after_s, max_buffer_bytes=MAX_OBJECT_BYTES)
 
     def _lost(self, link: AgentLink) -> None:
         with self._lock:
@@ -203,8 +199,8 @@ class AgentClient:
             self._next_start = time.monotonic() + self._backoff
             self._objects.clear()
         if not self._closed:
-            self._state_change("down", f"cache agent (pid {link.pid}) exited; serving without the "
-                               "shared cache (full prefill) and reconnecting in the background")
+            self._state_change("down", f"cache agent (pid {link.pid}) exited ({link.why_closed}); serving "
+                               "without the shared cache (full prefill) and reconnecting in the background")
 
     def _agent(self) -> AgentLink | None:
         """The live agent, or None (then maybe start one in the background)."""
@@ -264,13 +260,13 @@ class AgentClient:
         need = [i for i, a in enumerate(arrays) if a is None]
         link = self._link
         if need and link is not None:
-            got = self._call(link, self.timeout_s * 2, {"op": "objects", "keys": [str(keys[i]) for i in need]})
+            got = self._call(link, self.objects_wait_s, {"op": "objects", "keys": [str(keys[i]) for i in need]})
             if got is not None:
                 present, buffers = got
                 it = iter(buffers)
                 for i, p in zip(need, present, strict=False):
-                    if p:
-                        arrays[i] = self._own(keys[i], next(it))
+                    if p:  # "host": the shard's host memory; "shared": read from Redis or S3
+                        arrays[i] = self._own(keys[i], next(it), shared=p == "shared")
             with self._lock:
                 for k, a in zip(keys, arrays, strict=True):
                     if a is not None:
@@ -284,9 +280,10 @@ class AgentClient:
                         held -= self._objects.pop(k)[0].nbytes
         return [None if a is None else _Entry(a[1]) for a in arrays], arrays
 
-    def _own(self, key: ChunkKey, buf: bytearray) -> tuple[np.ndarray, object] | None:
+    def _own(self, key: ChunkKey, buf: bytearray, *, shared: bool) -> tuple[np.ndarray, object, bool] | None:
+        """The object's bytes and header (the header's tag checked when a key is set)."""
         try:
-            return np.frombuffer(buf, dtype=np.uint8), parse_header(memoryview(buf), expected_key=key)
+            return np.frombuffer(buf, dtype=np.uint8), parse_header(memoryview(buf), expected_key=key), shared
         except FormatError as err:
             log.debug("object of %s rejected: %s", key, err)
             self._count("read_errors")
@@ -299,12 +296,13 @@ class AgentClient:
             for k, a in zip(keys, arrays, strict=True):
                 t = None
                 if a is not None and layer_idx < a[1].num_layers:
-                    arr, header = a
+                    arr, header, shared = a
                     e = header.layers[layer_idx]
                     try:
-                        # the node's host memory: authenticated as it entered (tiers.auth)
+                        # the node's host memory was authenticated as it entered (tiers.auth);
+                        # an object read from Redis or S3 was not: its layer tag is checked here
                         raw = decode_layer(header, layer_idx, memoryview(arr)[e.offset:e.offset + e.stored_len],
-                                           authenticate=False)
+                                           authenticate=shared)
                         # a copy: the mapped object serves the next request too, and the
                         # engine may write into what it gets
                         t = layer_tensor(bytearray(raw), header.layer_shape, header.dtype).to(self.device)
@@ -435,7 +433,8 @@ class AgentClient:
     def stats(self) -> dict:
         """``{'client': this client's counters, 'agent': {...}, 'shards': {...}}``: the agent's
         client statistics when it is up (its counters under ``agent.client``, its heap trims
-        under ``agent.heap_trims``), the fallback's otherwise."""
+        under ``agent.heap_trims``, objects from Redis/S3 it refused under
+        ``agent.shared_rejected``), the fallback's otherwise."""
         link = self._link
         got = self._call(link, self.timeout_s * 2, {"op": "stats"}) if link is not None else None
         inner = got[0] if got is not None else self.fallback.stats()
@@ -443,7 +442,8 @@ class AgentClient:
             client = dict(self.counters)
         return {"client": client, "shards": inner.get("shards", {}),
                 "agent": {"up": link is not None, "pid": link.pid if link else None,
-                          "client": inner.get("client", {}), "heap_trims": inner.get("heap_trims", 0)}}
+                          "client": inner.get("client", {}), "heap_trims": inner.get("heap_trims", 0),
+                          "shared_rejected": inner.get("shared_rejected", 0)}}
 
     def close(self) -> None:
         """Stop the agent and the fetch threads; the fallback is not closed (it is shared)."""
@@ -453,12 +453,3 @@ class AgentClient:
         if link is not None:
             link.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _agent_env() -> dict[str, str]:
-    """The agent's environment: this process's, with the project on ``PYTHONPATH`` (vLLM may
-    have been started from another directory than the one kvblend is importable from)."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env

@@ -13,6 +13,8 @@ Checksums: a mapped object came from a shard's host memory, where it entered onl
 shard checked every layer (``CacheShard.put`` and promotions validate the whole object), so
 raw layers are copied unchecked; lz4 layers are checked as they are decoded, and layers read
 from the shared tiers directly (owner dead) are checked by :func:`tiers.reader.read_layers`.
+The agent's client may map an object the agent read from Redis or S3 (its third item says so):
+its layers are checked here, tags included when a key is set, and never handed out as views.
 Failure behaviour: a miss is False/None and the client's ``layer_misses`` counter, never an
 exception.
 """
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tiers.format import CODEC_RAW, ChunkHeader, FormatError, decode_layer
+from tiers.format import CODEC_RAW, ChunkHeader, FormatError, check_payload, decode_layer
 from tiers.keys import ChunkKey
 from tiers.reader import ReadCounters, read_layers
 
@@ -48,6 +50,7 @@ class RayHostLayers:
         self.counters = ReadCounters()
         self._lock = threading.Lock()
         self._mapped: OrderedDict[ChunkKey, np.ndarray | None] = OrderedDict()
+        self._shared: set[ChunkKey] = set()  # mapped objects read from a shared tier (unchecked)
 
     def headers(self, keys: Sequence[ChunkKey]) -> list[ChunkHeader | None]:
         """Map the objects of ``keys`` (looked up first where unknown); each one's own header,
@@ -56,9 +59,12 @@ class RayHostLayers:
         entries, arrays = client.map_for_read(keys)
         out: list[ChunkHeader | None] = []
         mapped: dict[ChunkKey, np.ndarray | None] = {}
+        shared: set[ChunkKey] = set()
         for k, e, a in zip(keys, entries, arrays, strict=True):
             if a is not None:
                 mapped[k] = a[0]
+                if len(a) > 2 and a[2]:
+                    shared.add(k)
                 out.append(a[1])
             elif e is not None and client.shared_tiers():
                 mapped[k] = None
@@ -69,12 +75,14 @@ class RayHostLayers:
             for k, a in mapped.items():
                 self._mapped[k] = a
                 self._mapped.move_to_end(k)
+                (self._shared.add if k in shared else self._shared.discard)(k)
             held = sum(a.nbytes for a in self._mapped.values() if a is not None)
             for k in list(self._mapped):
                 if held <= self.client.max_mapped_bytes:
                     break
                 if k not in mapped:
                     a = self._mapped.pop(k)
+                    self._shared.discard(k)
                     held -= 0 if a is None else a.nbytes
         return out
 
@@ -83,7 +91,8 @@ class RayHostLayers:
         object with lz4 layers or one read from a shared tier (``layer_into`` reads those)."""
         with self._lock:
             arr = self._mapped.get(key)
-        if arr is None or any(e.codec != CODEC_RAW for e in header.layers):
+            shared = key in self._shared
+        if arr is None or shared or any(e.codec != CODEC_RAW for e in header.layers):
             return None
         views = [arr[e.offset:e.offset + e.stored_len] for e in header.layers]
         if any(v.nbytes != e.stored_len for v, e in zip(views, header.layers, strict=True)):
@@ -94,6 +103,7 @@ class RayHostLayers:
         with self._lock:
             present = key in self._mapped
             arr = self._mapped.get(key)
+            shared = key in self._shared
         ok = False
         try:
             if not present or not 0 <= layer_idx < header.num_layers:
@@ -104,9 +114,11 @@ class RayHostLayers:
                 if e.codec == CODEC_RAW:
                     if payload.nbytes != e.stored_len or out.nbytes != e.stored_len:
                         raise FormatError(f"layer {layer_idx}: {payload.nbytes} bytes, expected {e.stored_len}")
+                    if shared:  # read from Redis or S3 by the agent: its checksum, or tag
+                        check_payload(header, layer_idx, payload)
                     np.copyto(out, payload)  # no GIL while copying; checked at the shard
-                else:
-                    decode_layer(header, layer_idx, payload, memoryview(out), authenticate=False)  # host memory
+                else:  # host memory: checked as it entered; a shared tier's: tag too
+                    decode_layer(header, layer_idx, payload, memoryview(out), authenticate=shared)
                 ok = True
             else:
                 for tier in self.client.shared_tiers():

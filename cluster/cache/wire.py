@@ -1,5 +1,6 @@
-"""Frames between a vLLM process and its cache agent (:mod:`cluster.cache.agent`), and the
-link (:class:`AgentLink`) that matches each answer to its call.
+"""Frames between a vLLM process and its cache agent (:mod:`cluster.cache.agent`), the link
+(:class:`AgentLink`) that matches each answer to its call, and how a link is opened
+(:func:`spawn_agent`: the agent process, its hello).
 
 One frame is a JSON message plus zero or more binary buffers, over a Unix stream socket::
 
@@ -7,19 +8,36 @@ One frame is a JSON message plus zero or more binary buffers, over a Unix stream
 
 Little-endian. JSON carries the operation and small values (keys, positions, counters); the
 buffers carry KV bytes unchanged (no pickle anywhere: what crosses the socket is data, never
-code). A frame whose sizes exceed the limits below is a protocol error (the link is closed),
-never an allocation of what it claims.
+code). A frame whose sizes or JSON nesting exceed the limits below is a protocol error (the
+link is closed), never an allocation of what it claims.
+
+Deadlines. Both ends give their socket a timeout (:func:`set_io_timeout`, ``io_timeout_s``):
+a send that does not finish within it raises :class:`WireError` (the stream is then broken and
+the link closes), and so does a frame that stops arriving half-way. Waiting for the *next*
+frame is not bounded by it (:class:`Idle` says the socket was quiet): the agent sends a
+heartbeat frame every :data:`BEAT_S`, so the vLLM side's :class:`AgentLink` knows an agent that
+sent nothing for ``stuck_after_s`` (stopped, deadlocked, or not reading and so not answering)
+is stuck, and closes the link (the agent is killed; its owner restarts one with back-off).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import socket
 import struct
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+
+import numpy as np
+
+log = logging.getLogger("kvblend.client")
 
 _PREFIX = struct.Struct("<II")
 _LEN = struct.Struct("<Q")
@@ -31,18 +49,53 @@ MAX_BUFFERS = 4096
 MAX_IN_FLIGHT = 256
 #: largest single buffer (one chunk object: 32 layers x 4K tokens of a 70B model ~ 1.3 GiB)
 MAX_BUFFER_BYTES = 4 << 30
+#: most bytes of buffers in one frame
+MAX_FRAME_BYTES = 8 << 30
+#: deepest JSON nesting of a frame (a lookup answer nests 4 deep)
+MAX_JSON_DEPTH = 32
+#: seconds between two heartbeat frames of the agent (``{"beat": n}``)
+BEAT_S = 0.5
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 class WireError(ConnectionError):
-    """The peer closed the socket, or sent a frame that breaks the format or its limits."""
+    """The peer closed the socket, sent a frame that breaks the format or its limits, or a
+    send or a frame did not finish within the socket's timeout."""
+
+
+class Idle(TimeoutError):
+    """No byte of a next frame arrived within the socket's timeout (the peer is quiet; not an
+    error: the caller decides whether quiet is too long)."""
+
+
+def set_io_timeout(sock: socket.socket, io_timeout_s: float) -> None:
+    """Bound every send and every frame's receive on ``sock`` by ``io_timeout_s`` seconds."""
+    if not io_timeout_s > 0:
+        raise ValueError(f"io_timeout_s={io_timeout_s} must be > 0")
+    sock.settimeout(io_timeout_s)
+
+
+def check_nesting(body: bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Raise :class:`WireError` when the JSON text ``body`` nests deeper than ``max_depth``
+    (checked before parsing: ``json.loads`` recurses once per level)."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return
+    text = np.frombuffer(_STRING.sub(b'""', bytes(body)), dtype=np.uint8)
+    step = (np.isin(text, (ord("["), ord("{"))).astype(np.int32)
+            - np.isin(text, (ord("]"), ord("}"))).astype(np.int32))
+    if step.size and int(np.cumsum(step).max()) > max_depth:
+        raise WireError(f"frame JSON nests deeper than {max_depth}")
 
 
 def send_frame(sock: socket.socket, lock: threading.Lock, message: dict,
                buffers: list | tuple = ()) -> None:
     """Send ``message`` (JSON-able) and ``buffers`` (bytes-like) as one frame.
 
-    ``lock`` serialises writers of ``sock``. Raises :class:`WireError` (or ``OSError``)
-    when the peer is gone; ``ValueError`` when a limit is exceeded (nothing is sent).
+    ``lock`` serialises writers of ``sock``; each part's send is bounded by the socket's
+    timeout (:func:`set_io_timeout`). Raises :class:`WireError` (or ``OSError``) when the peer
+    is gone or a send did not finish in time (part of the frame may be sent: close the
+    socket); ``ValueError`` when a limit is exceeded (nothing is sent).
     """
     body = json.dumps(message, separators=(",", ":")).encode()
     views = [memoryview(b).cast("B") for b in buffers]
@@ -53,63 +106,122 @@ def send_frame(sock: socket.socket, lock: threading.Lock, message: dict,
         parts.append(_LEN.pack(v.nbytes))
         parts.append(v)
     with lock:
-        for part in parts:
-            sock.sendall(part)
+        try:
+            for part in parts:
+                sock.sendall(part)
+        except TimeoutError:
+            raise WireError(f"send did not finish within {sock.gettimeout()} s") from None
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
+def _recv_exact(sock: socket.socket, n: int, *, first: bool = False,
+                progress: Callable[[], None] | None = None) -> bytearray:
+    """``n`` bytes; :class:`Idle` when ``first`` and none came within the timeout;
+    ``progress()`` after every read that brought bytes."""
+    try:
+        buf = bytearray(n)
+    except MemoryError:
+        raise WireError(f"no memory for {n} bytes of a frame") from None
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            if first and got == 0:
+                raise Idle() from None
+            raise WireError(f"frame stopped arriving ({got} of {n} bytes within {sock.gettimeout()} s)") from None
         if k == 0:
             raise WireError("peer closed the connection")
         got += k
+        if progress is not None:
+            progress()
     return buf
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict, list[bytearray]]:
-    """Read one frame: ``(message, buffers)``. Blocks until a whole frame arrived.
+def recv_frame(sock: socket.socket, *, max_buffer_bytes: int = MAX_BUFFER_BYTES,
+               max_frame_bytes: int = MAX_FRAME_BYTES,
+               progress: Callable[[], None] | None = None) -> tuple[dict, list[bytearray]]:
+    """Read one frame: ``(message, buffers)``, each size checked before it is allocated;
+    ``progress()`` whenever bytes of it arrived (a long frame is not a quiet peer).
 
     Raises:
-        WireError: end of stream, or a frame over the limits or not valid JSON.
+        Idle: nothing arrived within the socket's timeout (none set: blocks until a frame).
+        WireError: end of stream; a frame over the limits (``max_buffer_bytes`` a buffer,
+            ``max_frame_bytes`` all of them, :data:`MAX_JSON_DEPTH`), not valid JSON, or
+            stopped half-way.
     """
-    n_json, n_bufs = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+    n_json, n_bufs = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size, first=True, progress=progress))
     if n_json > MAX_JSON_BYTES or n_bufs > MAX_BUFFERS:
         raise WireError(f"frame over the limits ({n_json} JSON bytes, {n_bufs} buffers)")
+    body = _recv_exact(sock, n_json, progress=progress)
+    check_nesting(body)
     try:
-        message = json.loads(_recv_exact(sock, n_json))
-    except ValueError as e:
-        raise WireError(f"frame is not JSON: {e}") from None
+        message = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"frame is not JSON: {type(e).__name__}") from None
     if not isinstance(message, dict):
         raise WireError("frame message is not an object")
     buffers = []
+    total = 0
     for _ in range(n_bufs):
-        (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-        if size > MAX_BUFFER_BYTES:
-            raise WireError(f"buffer of {size} bytes is over the limit")
-        buffers.append(_recv_exact(sock, size))
+        (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size, progress=progress))
+        total += size
+        if size > max_buffer_bytes or total > max_frame_bytes:
+            raise WireError(f"buffer of {size} bytes ({total} in the frame) is over the limit")
+        buffers.append(_recv_exact(sock, size, progress=progress))
     return message, buffers
 
 
 class AgentLink:
-    """One running agent: its process, socket, reader thread and the calls awaiting answers."""
+    """One running agent: its process, socket, reader and watchdog threads, and the calls
+    awaiting answers.
+
+    Args:
+        proc: the agent process (killed when the link closes).
+        sock: the connected socket; given ``io_timeout_s`` (:func:`set_io_timeout`).
+        pid: the agent's pid, as it said.
+        on_close: called once, with this link, when it closes (from whichever thread closed it).
+        io_timeout_s: bound of every send and of each frame's receive.
+        stuck_after_s: the link closes when no byte (of answers and heartbeats alike) arrived
+            for this long; so a stuck agent is found within ``stuck_after_s`` + :data:`BEAT_S`.
+        max_buffer_bytes: largest buffer accepted in an answer.
+        clock: monotonic seconds (tests inject one).
+    """
 
     def __init__(self, proc: subprocess.Popen, sock: socket.socket, pid: int,
-                 on_close: Callable[[AgentLink], None]) -> None:
+                 on_close: Callable[[AgentLink], None], *, io_timeout_s: float = 5.0,
+                 stuck_after_s: float = 5.0, max_buffer_bytes: int = MAX_BUFFER_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.proc, self.sock, self.pid = proc, sock, pid
         self.send_lock = threading.Lock()
+        self.stuck_after_s = stuck_after_s
+        self.max_buffer_bytes = max_buffer_bytes
+        self.why_closed = ""
+        self._clock = clock
+        self.last_frame = clock()  # when bytes last arrived
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._next = 0
         self._closed = False
+        self._stop = threading.Event()
         self._on_close = on_close
+        set_io_timeout(sock, io_timeout_s)
         threading.Thread(target=self._read, name="kvblend-agent-reader", daemon=True).start()
+        threading.Thread(target=self._watch, name="kvblend-agent-watchdog", daemon=True).start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def call(self, message: dict, buffers: Sequence = ()) -> Future:
         """Send ``message`` and return the future of its answer ``(result, buffers)``; the
-        future fails with ``ConnectionError`` when the agent goes away first."""
+        future fails with ``ConnectionError`` when the agent goes away first.
+
+        Raises:
+            ConnectionError: the link is closed, or the send failed or did not finish within
+                ``io_timeout_s`` (the link is closed then).
+            BlockingIOError: :data:`MAX_IN_FLIGHT` calls are waiting already.
+        """
         fut: Future = Future()
         with self._lock:
             if self._closed:
@@ -125,33 +237,54 @@ class AgentLink:
             with self._lock:
                 self._pending.pop(rid, None)
             if isinstance(e, OSError):
-                self.close()
+                self.close(f"send failed: {e}", kill_now=True)
             raise ConnectionError(f"cache agent send failed: {e}") from None
         return fut
 
     def _read(self) -> None:
+        why = "the agent closed the connection"
         try:
-            while True:
-                message, buffers = recv_frame(self.sock)
+            while not self._closed:
+                try:
+                    message, buffers = recv_frame(self.sock, max_buffer_bytes=self.max_buffer_bytes,
+                                                  progress=self._heard)
+                except Idle:
+                    continue  # the watchdog judges quiet
                 with self._lock:
                     fut = self._pending.pop(message.get("id"), None)
                 if fut is None:
-                    continue  # answer of a call whose caller gave up
+                    continue  # a heartbeat, or the answer of a call whose caller gave up
                 if message.get("ok"):
                     fut.set_result((message.get("result"), buffers))
                 else:
                     fut.set_exception(RuntimeError(message.get("error", "agent error")))
-        except (WireError, OSError):
-            pass
-        self.close()
+        except (WireError, OSError) as e:
+            why = f"{type(e).__name__}: {e}"
+        except BaseException as e:  # noqa: BLE001 - whatever ends the reader closes the link
+            why = f"reader failed ({type(e).__name__}: {e})"
+        self.close(why)
 
-    def close(self) -> None:
-        """Fail every pending call, stop the agent (SIGKILL after 2 s) and tell the owner."""
+    def _heard(self) -> None:
+        self.last_frame = self._clock()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            quiet = self._clock() - self.last_frame
+            if quiet > self.stuck_after_s:
+                self.close(f"no frame from the agent for {quiet:.1f} s (stuck)", kill_now=True)
+                return
+
+    def close(self, why: str = "closed by its owner", *, kill_now: bool = False) -> None:
+        """Fail every pending call, stop the agent (SIGKILL at once with ``kill_now``: it is
+        stuck; else after 2 s, as it exits by itself at the end of its stream) and tell the
+        owner."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self.why_closed = why
             pending, self._pending = self._pending, {}
+        self._stop.set()
         for fut in pending.values():
             fut.set_exception(ConnectionError("cache agent is gone"))
         try:
@@ -159,12 +292,59 @@ class AgentLink:
         except OSError:
             pass
         self.sock.close()
-        threading.Thread(target=self._reap, daemon=True).start()
+        threading.Thread(target=self._reap, args=(0.0 if kill_now else 2.0,), daemon=True).start()
         self._on_close(self)
 
-    def _reap(self) -> None:
+    def _reap(self, grace_s: float) -> None:
         try:
-            self.proc.wait(timeout=2.0)
+            self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+#: the agent's entry point: the kvblend this process runs, whatever the working directory holds
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from cluster.cache.agent import main; "
+         "sys.exit(main(sys.argv[2:]))")
+
+
+def package_root() -> str:
+    """The folder holding the ``cluster`` package this process imported (site-packages, or the
+    checkout of an editable install): the agent imports kvblend from there only."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def spawn_agent(hello: dict, on_close: Callable[[AgentLink], None], *, start_timeout_s: float,
+                **link_options) -> tuple[AgentLink | None, str]:
+    """Start a cache agent (:mod:`cluster.cache.agent`) on a socketpair, send it ``hello`` and
+    wait up to ``start_timeout_s`` for its answer: ``(link, "<n> shard(s)")``, or ``(None,
+    why)`` with the process ended. The agent runs ``python -I`` (no working directory,
+    ``PYTHONPATH`` or user site on its ``sys.path``) with this process's environment and the
+    package root of :func:`package_root` first on its path: the kvblend this process runs,
+    never a ``cluster/`` folder where vLLM was started. ``link_options``: :class:`AgentLink`'s
+    keywords; ``io_timeout_s`` also goes to the agent in ``hello``."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, package_root(), str(child.fileno())],
+                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, cwd=os.getcwd())
+    finally:
+        child.close()
+    try:
+        parent.settimeout(start_timeout_s)
+        send_frame(parent, threading.Lock(), {**hello, "io_timeout_s": link_options.get("io_timeout_s", 5.0)})
+        answer, _ = recv_frame(parent)
+    except (OSError, WireError) as e:
+        proc.kill()
+        proc.wait()
+        parent.close()
+        return None, f"agent did not answer within {start_timeout_s:.0f} s ({type(e).__name__})"
+    if not answer.get("ok"):
+        parent.close()
+        try:
+            proc.wait(timeout=5.0)  # it exits after saying why
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None, str(answer.get("why"))
+    link = AgentLink(proc, parent, int(answer["pid"]), on_close, **link_options)
+    return link, f"{answer.get('shards')} shard(s)"

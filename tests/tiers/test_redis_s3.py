@@ -166,3 +166,19 @@ def test_s3_checksum_settings_neither_break_nor_pollute_a_32_mib_chunk(make_tier
     listed = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=tier.bucket, Prefix=tier.prefix)
               for o in page.get("Contents", [])]
     assert [o["Size"] for o in listed] == [len(obj)]
+
+
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_a_bounded_get_refuses_a_longer_object_before_reading_it(kind, make_tier):
+    """Issue 31 item 6: the agent's whole-object read of a chunk whose owner died is bounded by
+    the size its header gives; a longer (planted) value is a miss counted in ``oversized``."""
+    tier = make_tier(kind)
+    key, small, big = make_key(31), make_object(make_key(31), make_kv()), make_object(make_key(32), make_kv(num_tokens=64))
+    assert tier.put(key, small) and tier.put(make_key(32), big)
+    assert tier.get(key, max_bytes=len(small)) == small
+    assert tier.get(make_key(32), max_bytes=len(small)) is None
+    assert tier.get(make_key(33), max_bytes=len(small)) is None  # missing: a plain miss
+    assert tier.stats()["oversized"] == 1
+    assert tier.get(make_key(32)) == big  # unbounded, as before
+    with pytest.raises(ValueError):
+        tier.get(key, max_bytes=0)

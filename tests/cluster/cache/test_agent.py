@@ -4,6 +4,7 @@ wire's limits, and a cluster that never answers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -148,3 +149,163 @@ def test_client_that_fell_back_reconnects_when_shards_come(kvconfig, shards):
         client.close()
         stop_shards(cluster_cfg.ray_namespace)
     assert started
+
+
+@pytest.mark.cluster
+def test_a_stopped_agent_is_found_stuck_its_calls_are_misses_and_a_new_one_serves(kvconfig, shards):
+    """Issue 31 item 1: the agent SIGSTOPped (alive, never answering, never reading). Lookups,
+    loads and puts are misses or drops, none blocks (before: a put's send blocked forever
+    once the socket buffer was full, and nothing restarted the agent); within stuck_after_s the
+    link closes, the agent is killed, and after the back-off a new agent serves hits."""
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+
+    client = AgentClient(kvconfig, NAMESPACE, LocalCacheClient())
+    try:
+        assert client.up
+        key, kv = make_key(97500), shard_kv(5, num_tokens=8)
+        client.put(key, kv)
+        assert client.flush(30) and client.lookup([key])[0] is not None
+        pid = client._link.pid
+        os.kill(pid, signal.SIGSTOP)
+        hang = 5 * (client.stuck_after_s + client.io_timeout_s + kvconfig.blend.load_timeout_s)
+        big = shard_kv(6, num_tokens=4096)  # 2 MiB a put: a few fill the socket buffer
+        for i in range(8):
+            returns_within(client.put, make_key(97510 + i), big, hang_s=hang, what="put to a stopped agent")
+        assert returns_within(client.lookup, [key], hang_s=hang) == [None]
+        assert returns_within(lambda: client.fetch_layer([key], 0).result(hang), hang_s=hang) == [None]
+        deadline = time.monotonic() + hang
+        while client.up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.up and client.counters["agent_exits"] == 1
+        with pytest.raises(ProcessLookupError):  # killed, not left stopped
+            for _ in range(200):
+                os.kill(pid, 0)
+                time.sleep(0.05)
+        while not client.up and time.monotonic() < deadline + 60:
+            client.lookup([key])  # calls start the next agent after the back-off
+            time.sleep(0.2)
+        assert client.up and client._link.pid != pid and client.counters["agent_starts"] == 2
+        assert client.lookup([key])[0] is not None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        client.close()
+
+
+@pytest.mark.cluster
+def test_a_cluster_folder_in_the_working_directory_is_not_run_as_the_agent(tmp_path, monkeypatch):
+    """Issue 31 item 4: vLLM started where a folder named ``cluster`` exists (another project,
+    or a planted one). Before, the agent ran as ``python -m cluster.cache.agent`` from that
+    directory: the folder's code ran with the object key in its environment."""
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+
+    marker = tmp_path / "planted-ran"
+    pkg = tmp_path / "cluster" / "cache"
+    pkg.mkdir(parents=True)
+    (tmp_path / "cluster" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "agent.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                  "def main(argv):\n    raise SystemExit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1", "call_timeout_s": 1.0})
+    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+    try:
+        assert not client.up  # nothing listens: no agent was started by the constructor
+        link, why = client._spawn(60.0)  # start one by hand: the real agent says Ray is unreachable
+        assert link is None and "not reachable" in why, why
+        assert not marker.exists(), "the working directory's cluster/ package ran as the agent"
+    finally:
+        client.close()
+
+
+@pytest.mark.unit
+def test_the_objects_call_waits_no_longer_than_the_engine_waits_for_a_layer(monkeypatch):
+    """Issue 31 item 5: the engine gives up on a layer at load_timeout_s; the agent's objects
+    call waited 2 x call_timeout_s (4 s against 2 s by default). The wait handed to the
+    answer's future is recorded by a stand-in link (no clock involved)."""
+    from concurrent.futures import Future
+
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+
+    waits = []
+
+    class SlowAnswer(Future):
+        def result(self, timeout=None):
+            waits.append(timeout)
+            raise TimeoutError
+
+    class SlowLink:
+        pid = 1
+
+        def call(self, message, buffers=()):
+            return SlowAnswer()
+
+    cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1", "call_timeout_s": 2.0,
+                                             "load_timeout_s": 2.0})
+    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+    try:
+        monkeypatch.setattr(client, "_link", SlowLink())
+        assert client.fetch_layer([make_key(97600)], 0).result(30) == [None]
+        assert waits and max(waits) <= cfg.blend.load_timeout_s, waits
+        assert client.counters["timeouts"] >= 1 and client.counters["layer_misses"] == 1
+    finally:
+        monkeypatch.undo()
+        client.close()
+
+
+@pytest.mark.unit
+def test_an_object_the_agent_read_from_a_shared_tier_is_authenticated_in_this_process(monkeypatch):
+    """Issue 31 item 2, vLLM's side: whatever the agent sends as read from Redis or S3 has its
+    layer tags checked here when a key is set (fetch_layer and the CUDA staging reader alike);
+    before, only XXH3 was checked, and a forged layer with a matching XXH3 came through."""
+    from concurrent.futures import Future
+
+    import numpy as np
+
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+    from tests.cluster.cache.test_object_auth import forge_layer
+    from tests.factories import OBJECT_KEY_A, make_object, object_keys
+
+    key, kv = make_key(97700), shard_kv(97700)
+    with object_keys() as use_key:
+        use_key(OBJECT_KEY_A)
+        forged = forge_layer(make_object(key, kv))
+        answers = []
+
+        class Link:
+            pid = 1
+
+            def call(self, message, buffers=()):
+                fut = Future()
+                fut.set_result(answers.pop(0))
+                return fut
+
+        cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
+        for where in ("shared", "host"):
+            client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+            try:
+                monkeypatch.setattr(client, "_link", Link())
+                answers.append(([where], [bytearray(forged)]))
+                got = [client.fetch_layer([key], i).result(30)[0] for i in range(kv.shape[0])]
+                if where == "shared":  # layer 0's tag fails; the others are genuine
+                    assert got[0] is None and client.counters["read_errors"] == 1
+                    assert all(torch.equal(t, kv[i]) for i, t in enumerate(got) if i)
+                    reader = client.host_layers()
+                    (header,) = reader.headers([key])
+                    assert reader.layer_views(key, header) is None  # no unchecked views
+                    out = np.empty(header.layers[0].raw_len, dtype=np.uint8)
+                    assert reader.layer_into(key, header, 0, out) is False
+                    assert reader.layer_into(key, header, 1, np.empty_like(out)) is True
+                else:  # the shard's host memory: authenticated as it entered, not again here
+                    assert got[0] is not None
+            finally:
+                monkeypatch.undo()
+                client.close()

@@ -74,3 +74,97 @@ def _planted_then_signed(cfg, redis, use_key) -> None:
         assert stored is not None and stored[6] & 1
     finally:
         client.close()
+
+
+def forge_layer(obj: bytes) -> bytes:
+    """``obj`` (signed under the key in force) with layer 0's payload changed and its XXH3
+    made to match, the header re-signed: header tag and checksums valid, layer 0's tag not.
+    What a closed-form XXH3 collision under a genuine header gives an attacker who can write
+    Redis (re-signing here stands in for the collision; the attacker needs no key)."""
+    import struct
+
+    import xxhash
+
+    from tiers import auth
+    from tiers.format import PREFIX_BYTES, parse_header, rewrite_header
+
+    header = parse_header(obj)
+    e0 = header.layers[0]
+    payload = bytearray(obj[e0.offset:e0.offset + e0.stored_len])
+    payload[:8] = bytes(b ^ 0x5A for b in payload[:8])
+    layers = [[e.offset, e.stored_len, e.raw_len, e.codec, e.checksum, e.tag.hex()] for e in header.layers]
+    layers[0][4] = xxhash.xxh3_64_intdigest(bytes(payload))
+    out = bytearray(rewrite_header(obj, layers=layers))  # offsets consistent, header tag stale
+    (header_len,) = struct.unpack_from("<I", out, 8)
+    end = PREFIX_BYTES + header_len
+    blob = bytes(out[PREFIX_BYTES:end - auth.TAG_BYTES])
+    tag = auth.current().header_tag(bytes(out[:12]), blob)
+    out[end - auth.TAG_BYTES:end] = tag
+    struct.pack_into("<I", out, 12, xxhash.xxh32_intdigest(blob + tag))
+    e0 = parse_header(out).layers[0]
+    out[e0.offset:e0.offset + e0.stored_len] = payload
+    return bytes(out)
+
+
+def _forgery_is_what_it_claims(forged: bytes) -> None:
+    from tiers.format import AuthError, check_payload, parse_header
+
+    header = parse_header(forged)  # header tag valid
+    e0 = header.layers[0]
+    check_payload(header, 0, forged[e0.offset:e0.offset + e0.stored_len], authenticate=False)  # XXH3 valid
+    with pytest.raises(AuthError):
+        check_payload(header, 0, forged[e0.offset:e0.offset + e0.stored_len])
+
+
+@pytest.fixture
+def agent_over_signed_shards(ray_cluster, tmp_path):
+    """Signed shards over a Redis of their own (killed by the test), and the connector's
+    default client on them: ``(config, redis process, AgentClient)``."""
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+
+    cluster, _ = ray_cluster
+    with object_keys() as use_key, redis_shards(cluster.address, tmp_path, metrics=False,
+                                                env_vars={"KVBLEND_OBJECT_KEY": OBJECT_KEY_A}) as (cfg, _, redis):
+        use_key(OBJECT_KEY_A)
+        import os
+
+        os.environ["KVBLEND_OBJECT_KEY"] = OBJECT_KEY_A  # the agent's key: it inherits ours
+        client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+        try:
+            yield cfg, redis, client
+        finally:
+            client.close()
+
+
+def test_a_forged_redis_object_is_a_miss_through_the_agent_while_its_owner_is_dead(agent_over_signed_shards):
+    """Issue 31 item 2: the owner shard is dead, Redis holds a forged copy (valid header tag
+    and XXH3, wrong KV under layer 0's stale tag). Before, the agent forwarded it unchecked and
+    vLLM's process checked XXH3 only: the forged layer reached the engine as KV."""
+    import ray
+
+    from cluster.cache.client import CacheClient
+    from tiers.redis_tier import RedisTier
+
+    cfg, redis, client = agent_over_signed_shards
+    assert client.up
+    key, kv = make_key(9800), shard_kv(9800)
+    writer = CacheClient(cfg, NAMESPACE)
+    try:
+        writer.put(key, kv)
+        assert writer.flush(60)
+        tier = RedisTier(redis.url)
+        stored = tier.get(key)
+        assert stored is not None and stored[6] & 1  # what the shard wrote down is signed
+        forged = forge_layer(stored)
+        _forgery_is_what_it_claims(forged)
+        tier._client.set(tier._rkey(key), forged)
+        (owner,) = writer.router.groups([key])
+        ray.kill(writer.router.handle(owner), no_restart=True)
+    finally:
+        writer.close()
+    assert client.lookup([key])[0] is not None  # the header, read from Redis, is genuine
+    layers = [client.fetch_layer([key], i).result(60)[0] for i in range(kv.shape[0])]
+    assert layers == [None] * kv.shape[0], "a forged layer reached the engine"
+    assert client.counters["layer_misses"] == kv.shape[0]
+    assert client.stats()["agent"]["shared_rejected"] >= 1

@@ -1,0 +1,152 @@
+"""The agent link's promises (cluster.cache.wire, issue 31), over a socketpair with a scripted
+peer (no agent process): every send and every frame's receive has a deadline, a peer that stops
+sending (no answer, no heartbeat) is found stuck within ``stuck_after_s``, and frames over the
+size or nesting limits close the link — none of these leaves a caller blocked or the link
+claiming to be up. Hang guards are at least 5x the deadline under test; nothing is timed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+
+import pytest
+
+from cluster.cache.wire import (
+    MAX_JSON_DEPTH,
+    AgentLink,
+    Idle,
+    WireError,
+    check_nesting,
+    recv_frame,
+    send_frame,
+    set_io_timeout,
+)
+from tests.factories import returns_within
+
+pytestmark = pytest.mark.unit
+
+
+class _Proc:
+    """What the link asks of the agent process: wait and kill."""
+
+    def __init__(self) -> None:
+        self.killed = threading.Event()
+
+    def wait(self, timeout=None):
+        if not self.killed.wait(timeout):
+            import subprocess
+
+            raise subprocess.TimeoutExpired("agent", timeout)
+        return -9
+
+    def kill(self) -> None:
+        self.killed.set()
+
+
+def _link(io_timeout_s=0.2, stuck_after_s=60.0, **kw):
+    ours, peer = socket.socketpair()
+    closed = threading.Event()
+    proc = _Proc()
+    link = AgentLink(proc, ours, 4242, lambda _link: closed.set(), io_timeout_s=io_timeout_s,
+                     stuck_after_s=stuck_after_s, **kw)
+    return link, peer, closed, proc
+
+
+def _raw_frame(body: bytes, sizes=()) -> bytes:
+    return struct.pack("<II", len(body), len(sizes)) + body + b"".join(struct.pack("<Q", n) for n in sizes)
+
+
+def test_a_peer_that_never_reads_ends_the_send_by_its_deadline_and_closes_the_link():
+    """The agent stopped reading: the send blocks on a full socket buffer; before the fix it
+    blocked forever under the send lock (vLLM's scheduler thread among the callers)."""
+    link, peer, closed, proc = _link(io_timeout_s=0.2)
+    with peer:
+        big = bytearray(64 << 20)  # far more than a socket buffer holds
+        with pytest.raises(ConnectionError):
+            returns_within(link.call, {"op": "put"}, [big], hang_s=10, what="send past its deadline")
+        assert closed.is_set() and link.closed and "send" in link.why_closed
+        assert proc.killed.wait(10), "a link whose send failed kills its agent at once"
+        with pytest.raises(ConnectionError):
+            link.call({"op": "lookup"})
+
+
+def test_a_quiet_agent_is_stuck_and_its_pending_calls_fail():
+    """No answer and no heartbeat for stuck_after_s (a SIGSTOPped agent): the watchdog closes
+    the link, fails what waits and kills the agent; heartbeats keep a slow agent's link up."""
+    link, peer, closed, proc = _link(io_timeout_s=0.2, stuck_after_s=1.0)
+    with peer:
+        fut = link.call({"op": "lookup", "keys": []})
+        with pytest.raises(ConnectionError):
+            fut.result(timeout=15)
+        assert closed.wait(15) and "stuck" in link.why_closed and proc.killed.wait(10)
+
+    link, peer, closed, _ = _link(io_timeout_s=0.2, stuck_after_s=1.0)
+    with peer:
+        lock = threading.Lock()
+        for n in range(12):  # 3 s of heartbeats, 0.25 s apart
+            send_frame(peer, lock, {"beat": n})
+            assert not closed.wait(0.25), "a beating agent is not stuck"
+        link.close()
+
+
+@pytest.mark.parametrize("what", ["oversized buffer", "too many buffers", "deep JSON", "not an object"])
+def test_a_frame_over_the_limits_closes_the_link_without_allocating(what):
+    """Before the fix the reader thread died on a MemoryError (a buffer allocated before its
+    data) or a RecursionError (deeply nested JSON) while the link still said up."""
+    link, peer, closed, _ = _link(io_timeout_s=0.5, max_buffer_bytes=1 << 20)
+    with peer:
+        fut = link.call({"op": "objects", "keys": []})
+        body = json.dumps({"id": 1, "ok": True, "result": [True]}).encode()
+        frame = {"oversized buffer": _raw_frame(body, [3 << 30]),  # 3 GiB claimed, 1 MiB allowed
+                 "too many buffers": struct.pack("<II", len(body), 9000) + body,
+                 "deep JSON": _raw_frame(b"[" * 200_000 + b"]" * 200_000),
+                 "not an object": _raw_frame(b"[1]")}[what]
+        peer.sendall(frame)
+        assert closed.wait(15), f"{what}: the link must close"
+        assert link.closed
+        with pytest.raises(ConnectionError):
+            fut.result(timeout=5)
+
+
+def test_a_frame_that_stops_half_way_is_an_error_and_quiet_between_frames_is_idle():
+    a, b = socket.socketpair()
+    with a, b:
+        set_io_timeout(b, 0.2)
+        with pytest.raises(Idle):
+            recv_frame(b)  # nothing at all: quiet, not an error
+        a.sendall(_raw_frame(b'{"id":1}')[:-3])
+        with pytest.raises(WireError, match="stopped arriving"):
+            returns_within(recv_frame, b, hang_s=5)
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, threading.Lock(), {"id": 2, "ok": True}, [b"kv"])
+        set_io_timeout(b, 0.2)
+        message, buffers = recv_frame(b, max_buffer_bytes=2)
+        assert message == {"id": 2, "ok": True} and [bytes(x) for x in buffers] == [b"kv"]
+
+
+def test_nesting_is_checked_outside_strings():
+    check_nesting(json.dumps({"keys": ["[[[[" * 50], "runs": [[[0, 5]]]}).encode())
+    check_nesting(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH)
+    with pytest.raises(WireError, match="nests deeper"):
+        check_nesting(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1))
+    with pytest.raises(WireError, match="nests deeper"):
+        check_nesting(b'{"a":"\\"",' + b'"b":' + b"[" * 40 + b"]" * 40 + b"}")
+
+
+def test_answers_and_heartbeats_reach_the_right_callers():
+    link, peer, closed, _ = _link(io_timeout_s=0.5)
+    with peer:
+        set_io_timeout(peer, 5)
+        fut = link.call({"op": "lookup", "keys": ["k"]})
+        message, _ = recv_frame(peer)
+        lock = threading.Lock()
+        send_frame(peer, lock, {"beat": 1})
+        send_frame(peer, lock, {"id": message["id"], "ok": True, "result": [None]}, [b"x"])
+        result, buffers = fut.result(timeout=10)
+        assert result == [None] and [bytes(b) for b in buffers] == [b"x"]
+        assert not closed.is_set()
+        link.close()
+    assert closed.is_set()
