@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from blend.kernels import interpreting
-
-# the child pytest checks lanes too (tests/conftest.py): these cases start no process
-pytestmark = pytest.mark.unit
 from blend.kernels.deviation import deviation_reference, deviation_triton
 from blend.kernels.paged import gather_reference, gather_triton, scatter_reference, scatter_triton
 from blend.kernels.rope import rerotate_triton_
 from blend.rope import rerotate_k
+
+# the child pytest checks lanes too (tests/conftest.py): these cases start no process
+pytestmark = pytest.mark.unit
 
 # float32: the reference rounds the angle (up to ~500 rad here) to float32 before cos/sin
 # (ulp 3e-5 rad), the kernel rounds cos/sin of the float64 angle: 1e-4 covers both.
