@@ -212,17 +212,19 @@ class S3Tier:
     def get(self, key: ChunkKey, max_bytes: int | None = None) -> bytes | None:
         """The whole object, or None (missing, an error). With ``max_bytes``, an object longer
         than that is a miss counted in ``oversized``, found from the response's
-        ``ContentLength`` before its body is read (the body is closed unread)."""
+        ``ContentLength`` before its body is read (the body is closed unread), or, without one,
+        after reading at most ``max_bytes + 1`` bytes."""
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes} must be positive")
         try:
             response = self._get(key, None)
-            if max_bytes is not None and int(response.get("ContentLength", 0)) > max_bytes:
+            if max_bytes is not None and int(response.get("ContentLength") or 0) > max_bytes:
                 response["Body"].close()
                 with self._lock:
                     self._stats["oversized"] += 1
                 return None
-            data = response["Body"].read()
+            # no ContentLength (a chunked answer): read one byte past the bound at most
+            data = response["Body"].read() if max_bytes is None else response["Body"].read(max_bytes + 1)
         except self._errors() as e:
             self._fail("get", key, e)
             return None

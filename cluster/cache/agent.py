@@ -45,7 +45,16 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster.cache.wire import BEAT_S, Idle, WireError, recv_frame, send_frame, set_io_timeout
+from cluster.cache.wire import (
+    BEAT_S,
+    MAX_BUFFER_BYTES,
+    MAX_FRAME_BYTES,
+    Idle,
+    WireError,
+    recv_frame,
+    send_frame,
+    set_io_timeout,
+)
 from cluster.env import configure_object_auth
 from cluster.heap import HeapTrimmer
 
@@ -79,6 +88,9 @@ class Agent:
         self.client = None
         self.heap_trims = 0
         self.shared_rejected = 0  # objects from Redis/S3 refused (over their size, failed checks)
+        self.answers_oversized = 0  # objects over what the vLLM side accepts, answered as misses
+        self.max_buffer_bytes = MAX_BUFFER_BYTES
+        self.max_frame_bytes = MAX_FRAME_BYTES
         self.heap = HeapTrimmer(on_trim=self._trimmed)
         self._done = threading.Event()
 
@@ -114,6 +126,10 @@ class Agent:
         io_timeout_s = message.get("io_timeout_s")
         if isinstance(io_timeout_s, (int, float)) and io_timeout_s > 0:
             set_io_timeout(self.sock, float(io_timeout_s))
+        for name in ("max_buffer_bytes", "max_frame_bytes"):  # what the vLLM side accepts
+            value = message.get(name)
+            if isinstance(value, int) and value > 0:
+                setattr(self, name, value)
         config = load_config(overrides=message["config"], environ={}, overrides_origin="agent")
         try:
             if connect(config.cluster) is None:
@@ -176,14 +192,14 @@ class Agent:
             reply, out = {"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"}, ()
         try:
             self.send(reply, out)
-        except ValueError as e:  # over the wire's limits: nothing was sent; say so instead
-            log.debug("agent reply failed: %r", e)
-            try:
-                self.send({"id": rid, "ok": False, "error": f"ValueError: {e}"})
-            except (OSError, ValueError) as e2:
-                self.broken(f"{type(e2).__name__}: {e2}")
         except OSError as e:
             self.broken(f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - over the limits, not JSON-able: nothing was sent
+            log.debug("agent reply failed: %r", e)
+            try:
+                self.send({"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"})
+            except Exception as e2:  # noqa: BLE001 - the link is no use any more
+                self.broken(f"{type(e2).__name__}: {e2}")
         # free the frame's buffers now (the pool's work item holds the list until this returns)
         buffers.clear()
         del out
@@ -205,10 +221,16 @@ class Agent:
             entries, arrays = client.map_for_read(keys)
             objects = [None if a is None else a[0] for a in arrays]
             where = [None if o is None else "host" for o in objects]
+            total = 0
             for i, (e, obj) in enumerate(zip(entries, objects, strict=True)):
                 if e is not None and obj is None:  # owner dead: a shared tier may hold it
                     objects[i] = self.shared_object(keys[i], e.header)
                     where[i] = None if objects[i] is None else "shared"
+                n = 0 if objects[i] is None else memoryview(objects[i]).nbytes
+                if n and (n > self.max_buffer_bytes or total + n > self.max_frame_bytes):
+                    objects[i] = where[i] = None  # the vLLM side would refuse the frame: a miss
+                    self.answers_oversized += 1
+                total += n if objects[i] is not None else 0
             return where, [o for o in objects if o is not None]
         if op == "contains":
             return client.contains(keys), []
@@ -226,7 +248,8 @@ class Agent:
         if op == "flush":
             return client.flush(float(message["timeout_s"])), []
         if op == "stats":
-            return {**client.stats(), "heap_trims": self.heap_trims, "shared_rejected": self.shared_rejected}, []
+            return {**client.stats(), "heap_trims": self.heap_trims, "shared_rejected": self.shared_rejected,
+                    "answers_oversized": self.answers_oversized}, []
         if op == "clear":
             return client.clear(message.get("namespace")), []
         raise ValueError(f"unknown agent op {op!r}")

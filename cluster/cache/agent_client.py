@@ -22,11 +22,14 @@ head). This process never imports Ray. While the agent is up, calls go over its 
 
 The link (:class:`~cluster.cache.wire.AgentLink`) bounds every send and every frame's receive
 by ``io_timeout_s`` = max(1 s, ``call_timeout_s``), refuses answers over :data:`MAX_OBJECT_BYTES`
-a buffer before allocating them, and closes when the agent sent nothing — not even its
-heartbeat — for ``stuck_after_s`` = max(3 s, 2 x ``call_timeout_s``): so an agent that stopped
-(SIGSTOP), deadlocked or stopped reading is found within ``stuck_after_s`` + 0.5 s, killed, and
-its calls are misses. The agent runs the installed kvblend that this process imported, with
-``python -I`` (no working directory, ``PYTHONPATH`` or user site on its ``sys.path``).
+a buffer before allocating them (and tells the agent, which answers a larger object as a
+miss), and closes when the agent sent nothing — not even its heartbeat — for ``stuck_after_s``
+= max(3 s, 2 x ``call_timeout_s``): so an agent that stopped (SIGSTOP), hung as a whole or
+blocked sending to this process is found within ``stuck_after_s`` + 0.5 s, killed, and its
+calls are misses (one that keeps beating while a call goes unanswered is not: that call is a
+miss at its wait). The agent runs the kvblend this process imported, with ``python -I`` (the
+working directory never on its ``sys.path``). Back-off doubles with every agent lost within
+:data:`HEALTHY_S` of its start and starts over after one that served longer.
 
 While the agent is down (never started, Ray killed it, it crashed, it was stuck), every call goes to
 ``fallback`` (the ``local_fallback`` client: machine-local disk, memory, or nothing), counted
@@ -43,6 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
@@ -51,7 +55,7 @@ from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.local import DeferredRead
-from cluster.cache.wire import AgentLink, spawn_agent
+from cluster.cache.wire import MAX_BUFFER_BYTES, AgentLink, spawn_agent
 from tiers.codec import DTYPE_NAMES, layer_tensor
 from tiers.format import FormatError, decode_layer, parse_header
 from tiers.keys import ChunkKey
@@ -67,7 +71,9 @@ MAX_PUT_BYTES = 512 << 20
 #: bytes of chunk objects kept between requests (LRU; those of the running call always stay)
 MAX_MAPPED_BYTES = 256 << 20
 #: largest chunk object accepted from the agent (the wire's buffer limit for this link)
-MAX_OBJECT_BYTES = 2 << 30
+MAX_OBJECT_BYTES = MAX_BUFFER_BYTES
+#: seconds an agent must have served for its loss to start the back-off over
+HEALTHY_S = 60.0
 
 
 def link_timeouts(config) -> tuple[float, float]:
@@ -124,6 +130,7 @@ class AgentClient:
         self._state = ""
         self._backoff = BACKOFF_S[0]
         self._next_start = 0.0
+        self._link_since = 0.0
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-client", initializer=thread_initializer)
         self._start(start_timeout_s)
 
@@ -163,7 +170,7 @@ class AgentClient:
         with self._lock:
             self._starting = False
             if link is not None and not self._closed:
-                self._link, self._backoff = link, BACKOFF_S[0]
+                self._link, self._link_since = link, time.monotonic()
                 self.counters["agent_starts"] += 1
             else:
                 self._next_start = time.monotonic() + self._backoff
@@ -172,6 +179,8 @@ class AgentClient:
             link.close()
         elif link is not None:
             self._state_change("up", f"cache agent up (pid {link.pid}, {why}); using the shared cache")
+            if link.closed:  # lost before it was stored: its close found another link current
+                self._lost(link)
         else:
             self._state_change("down", f"no cache agent ({why}); serving without the shared cache, "
                                "retrying in the background")
@@ -196,7 +205,10 @@ class AgentClient:
                 return
             self._link = None
             self.counters["agent_exits"] += 1
+            if time.monotonic() - self._link_since >= HEALTHY_S:
+                self._backoff = BACKOFF_S[0]
             self._next_start = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, BACKOFF_S[1])
             self._objects.clear()
         if not self._closed:
             self._state_change("down", f"cache agent (pid {link.pid}) exited ({link.why_closed}); serving "
@@ -205,8 +217,10 @@ class AgentClient:
     def _agent(self) -> AgentLink | None:
         """The live agent, or None (then maybe start one in the background)."""
         link = self._link
-        if link is not None:
+        if link is not None and not link.closed:
             return link
+        if link is not None:
+            self._lost(link)
         with self._lock:
             start = not self._starting and not self._closed and time.monotonic() >= self._next_start
             if start:
@@ -221,7 +235,7 @@ class AgentClient:
         """``(result, buffers)`` of one agent call, or None (counted) on timeout or error."""
         try:
             return link.call(message, buffers).result(timeout=wait_s)
-        except TimeoutError:
+        except (TimeoutError, FutureTimeout):  # distinct classes before Python 3.11
             self._count("timeouts")
         except BlockingIOError:
             self._count("agent_busy")

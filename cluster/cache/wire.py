@@ -16,8 +16,11 @@ a send that does not finish within it raises :class:`WireError` (the stream is t
 the link closes), and so does a frame that stops arriving half-way. Waiting for the *next*
 frame is not bounded by it (:class:`Idle` says the socket was quiet): the agent sends a
 heartbeat frame every :data:`BEAT_S`, so the vLLM side's :class:`AgentLink` knows an agent that
-sent nothing for ``stuck_after_s`` (stopped, deadlocked, or not reading and so not answering)
-is stuck, and closes the link (the agent is killed; its owner restarts one with back-off).
+sent nothing for ``stuck_after_s`` (stopped, hung as a whole, or blocked in its own sends) is
+stuck, and closes the link (the agent is killed; its owner restarts one with back-off). Not
+found this way: an agent that keeps beating while one of its workers never answers; each such
+call ends at its caller's wait (a miss), and past :data:`MAX_IN_FLIGHT` of them calls are
+refused (misses) until the agent is lost.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import logging
 import os
 import re
+import select
 import socket
 import struct
 import subprocess
@@ -55,6 +59,8 @@ MAX_FRAME_BYTES = 8 << 30
 MAX_JSON_DEPTH = 32
 #: seconds between two heartbeat frames of the agent (``{"beat": n}``)
 BEAT_S = 0.5
+#: most bytes handed to one ``send`` call (the send timeout means "no progress for that long")
+SEND_SLICE_BYTES = 4 << 20
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
@@ -82,20 +88,32 @@ def check_nesting(body: bytes | bytearray, max_depth: int = MAX_JSON_DEPTH) -> N
     if body.count(b"[") + body.count(b"{") <= max_depth:
         return
     text = np.frombuffer(_STRING.sub(b'""', bytes(body)), dtype=np.uint8)
-    step = (np.isin(text, (ord("["), ord("{"))).astype(np.int32)
-            - np.isin(text, (ord("]"), ord("}"))).astype(np.int32))
-    if step.size and int(np.cumsum(step).max()) > max_depth:
-        raise WireError(f"frame JSON nests deeper than {max_depth}")
+    depth = 0
+    for start in range(0, text.size, 1 << 20):  # 1 MiB windows: a few MiB of scratch at most
+        window = text[start:start + (1 << 20)]
+        step = np.zeros(window.size, dtype=np.int8)
+        step[(window == ord("[")) | (window == ord("{"))] = 1
+        step[(window == ord("]")) | (window == ord("}"))] = -1
+        levels = np.cumsum(step, dtype=np.int32) + depth
+        if int(levels.max()) > max_depth:
+            raise WireError(f"frame JSON nests deeper than {max_depth}")
+        depth = int(levels[-1])
 
 
 def send_frame(sock: socket.socket, lock: threading.Lock, message: dict,
-               buffers: list | tuple = ()) -> None:
+               buffers: list | tuple = (), *, lock_timeout_s: float | None = None) -> None:
     """Send ``message`` (JSON-able) and ``buffers`` (bytes-like) as one frame.
 
-    ``lock`` serialises writers of ``sock``; each part's send is bounded by the socket's
-    timeout (:func:`set_io_timeout`). Raises :class:`WireError` (or ``OSError``) when the peer
-    is gone or a send did not finish in time (part of the frame may be sent: close the
-    socket); ``ValueError`` when a limit is exceeded (nothing is sent).
+    ``lock`` serialises writers of ``sock`` (waited for at most ``lock_timeout_s``; None: as
+    long as it takes). The frame goes out by ``send`` calls of at most
+    :data:`SEND_SLICE_BYTES`, each waiting at most the socket's timeout (:func:`set_io_timeout`)
+    for room: a send fails when no byte went out for that long, however large the frame.
+
+    Raises:
+        WireError: the peer is gone, or a slice did not go out in time (part of the frame may
+            be sent: close the socket). ``OSError`` likewise.
+        BlockingIOError: ``lock`` not had within ``lock_timeout_s`` (nothing was sent).
+        ValueError: a limit is exceeded (nothing is sent).
     """
     body = json.dumps(message, separators=(",", ":")).encode()
     views = [memoryview(b).cast("B") for b in buffers]
@@ -105,12 +123,17 @@ def send_frame(sock: socket.socket, lock: threading.Lock, message: dict,
     for v in views:
         parts.append(_LEN.pack(v.nbytes))
         parts.append(v)
-    with lock:
-        try:
-            for part in parts:
-                sock.sendall(part)
-        except TimeoutError:
-            raise WireError(f"send did not finish within {sock.gettimeout()} s") from None
+    if not lock.acquire(timeout=-1 if lock_timeout_s is None else lock_timeout_s):
+        raise BlockingIOError("another send holds the link")
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view.nbytes:  # each send waits at most the timeout for room, then sends some
+                view = view[sock.send(view[:SEND_SLICE_BYTES]):]
+    except TimeoutError:
+        raise WireError(f"send made no progress for {sock.gettimeout()} s") from None
+    finally:
+        lock.release()
 
 
 def _recv_exact(sock: socket.socket, n: int, *, first: bool = False,
@@ -196,6 +219,7 @@ class AgentLink:
         self.send_lock = threading.Lock()
         self.stuck_after_s = stuck_after_s
         self.max_buffer_bytes = max_buffer_bytes
+        self.io_timeout_s = io_timeout_s
         self.why_closed = ""
         self._clock = clock
         self.last_frame = clock()  # when bytes last arrived
@@ -218,9 +242,10 @@ class AgentLink:
         future fails with ``ConnectionError`` when the agent goes away first.
 
         Raises:
-            ConnectionError: the link is closed, or the send failed or did not finish within
+            ConnectionError: the link is closed, or the send failed or made no progress for
                 ``io_timeout_s`` (the link is closed then).
-            BlockingIOError: :data:`MAX_IN_FLIGHT` calls are waiting already.
+            BlockingIOError: :data:`MAX_IN_FLIGHT` calls are waiting already, or another send
+                held the link for ``io_timeout_s``.
         """
         fut: Future = Future()
         with self._lock:
@@ -232,7 +257,12 @@ class AgentLink:
             rid = self._next
             self._pending[rid] = fut
         try:
-            send_frame(self.sock, self.send_lock, {**message, "id": rid}, buffers)
+            send_frame(self.sock, self.send_lock, {**message, "id": rid}, buffers,
+                       lock_timeout_s=self.io_timeout_s)
+        except BlockingIOError:  # a send ahead of this one holds the link: this call is a miss
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise
         except (OSError, ValueError) as e:
             with self._lock:
                 self._pending.pop(rid, None)
@@ -270,9 +300,17 @@ class AgentLink:
     def _watch(self) -> None:
         while not self._stop.wait(BEAT_S):
             quiet = self._clock() - self.last_frame
-            if quiet > self.stuck_after_s:
+            if quiet > self.stuck_after_s and not self._bytes_waiting():
                 self.close(f"no frame from the agent for {quiet:.1f} s (stuck)", kill_now=True)
                 return
+
+    def _bytes_waiting(self) -> bool:
+        """Whether the socket holds unread bytes (this process, not the agent, was slow)."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
 
     def close(self, why: str = "closed by its owner", *, kill_now: bool = False) -> None:
         """Fail every pending call, stop the agent (SIGKILL at once with ``kill_now``: it is
@@ -303,9 +341,13 @@ class AgentLink:
             self.proc.wait()
 
 
-#: the agent's entry point: the kvblend this process runs, whatever the working directory holds
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from cluster.cache.agent import main; "
-         "sys.exit(main(sys.argv[2:]))")
+#: the agent's entry point (``python -I -c``): the interpreter's own path, then this process's
+#: (argv[1]; never '' or the working directory), so the kvblend and the libraries it runs are
+#: this process's, whatever the working directory holds
+_BOOT = ("import os, sys; here = os.getcwd(); "
+         "sys.path += [p for p in sys.argv[1].split(os.pathsep) if p and p not in sys.path "
+         "and os.path.abspath(p) != here]; "
+         "from cluster.cache.agent import main; sys.exit(main(sys.argv[2:]))")
 
 
 def package_root() -> str:
@@ -318,33 +360,42 @@ def spawn_agent(hello: dict, on_close: Callable[[AgentLink], None], *, start_tim
                 **link_options) -> tuple[AgentLink | None, str]:
     """Start a cache agent (:mod:`cluster.cache.agent`) on a socketpair, send it ``hello`` and
     wait up to ``start_timeout_s`` for its answer: ``(link, "<n> shard(s)")``, or ``(None,
-    why)`` with the process ended. The agent runs ``python -I`` (no working directory,
-    ``PYTHONPATH`` or user site on its ``sys.path``) with this process's environment and the
-    package root of :func:`package_root` first on its path: the kvblend this process runs,
-    never a ``cluster/`` folder where vLLM was started. ``link_options``: :class:`AgentLink`'s
-    keywords; ``io_timeout_s`` also goes to the agent in ``hello``."""
+    why)`` with the process ended. The agent runs ``python -I`` with this process's
+    environment; its ``sys.path`` is the interpreter's own, then :func:`package_root` and this
+    process's ``sys.path`` without ``''`` and the working directory: the kvblend and libraries
+    this process runs, never a ``cluster/`` folder where vLLM was started. ``link_options``:
+    :class:`AgentLink`'s keywords; ``io_timeout_s`` and the buffer limits also go to the agent
+    in ``hello`` (it answers a larger object as a miss rather than send what this side
+    refuses)."""
+    path = os.pathsep.join([package_root(), *(p for p in sys.path if p)])
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, package_root(), str(child.fileno())],
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, path, str(child.fileno())],
                                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, cwd=os.getcwd())
+    except BaseException:
+        parent.close()
+        raise
     finally:
         child.close()
+    limits = {"io_timeout_s": link_options.get("io_timeout_s", 5.0),
+              "max_buffer_bytes": link_options.get("max_buffer_bytes", MAX_BUFFER_BYTES),
+              "max_frame_bytes": MAX_FRAME_BYTES}
     try:
         parent.settimeout(start_timeout_s)
-        send_frame(parent, threading.Lock(), {**hello, "io_timeout_s": link_options.get("io_timeout_s", 5.0)})
+        send_frame(parent, threading.Lock(), {**hello, **limits})
         answer, _ = recv_frame(parent)
-    except (OSError, WireError) as e:
+        if answer.get("ok"):
+            link = AgentLink(proc, parent, int(answer["pid"]), on_close, **link_options)
+            return link, f"{answer.get('shards')} shard(s)"
+    except (OSError, WireError, ValueError, KeyError, TypeError) as e:
         proc.kill()
         proc.wait()
         parent.close()
         return None, f"agent did not answer within {start_timeout_s:.0f} s ({type(e).__name__})"
-    if not answer.get("ok"):
-        parent.close()
-        try:
-            proc.wait(timeout=5.0)  # it exits after saying why
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        return None, str(answer.get("why"))
-    link = AgentLink(proc, parent, int(answer["pid"]), on_close, **link_options)
-    return link, f"{answer.get('shards')} shard(s)"
+    parent.close()
+    try:
+        proc.wait(timeout=5.0)  # it exits after saying why
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return None, str(answer.get("why"))

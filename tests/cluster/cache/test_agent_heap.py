@@ -114,3 +114,20 @@ def test_a_failed_put_still_frees_its_buffer_and_trims(agent):
     reply, _ = recv_frame(peer)
     assert reply["ok"] is False and "MemoryError" in reply["error"]
     assert buffers == [] and trims == [0]
+
+
+def test_objects_over_what_the_vllm_side_accepts_are_answered_as_misses(agent):
+    """The vLLM side refuses a buffer over its limit by closing the link; the agent learns the
+    limit in hello and answers such an object as a miss instead (before: one large object
+    killed the link, and the agent restarted, every time it was asked for)."""
+    from types import SimpleNamespace
+
+    a, peer, *_ = agent
+    small, big = bytearray(b"s" * 64), bytearray(b"b" * 4096)
+    a.client.map_for_read = lambda keys: ([SimpleNamespace(header=None)] * 2,
+                                          [(small, None), (big, None)])
+    a.max_buffer_bytes = 1024
+    a.answer({"id": 12, "op": "objects", "keys": [str(make_key(4300)), str(make_key(4301))]}, [])
+    reply, buffers = recv_frame(peer)
+    assert reply["result"] == ["host", None] and [bytes(b) for b in buffers] == [bytes(small)]
+    assert a.answers_oversized == 1

@@ -150,3 +150,59 @@ def test_answers_and_heartbeats_reach_the_right_callers():
         assert not closed.is_set()
         link.close()
     assert closed.is_set()
+
+
+def test_a_large_frame_that_keeps_moving_is_not_cut_by_the_send_deadline():
+    """The deadline bounds a send's lack of progress, not its length: 16 MiB read by a slow but
+    steady peer (one socket buffer every 0.01 s, ~1 s in all) goes through a link whose
+    io_timeout_s is 0.2 s (a whole sendall bounded by 0.2 s cut such frames and killed a
+    healthy agent)."""
+    import time
+
+    link, peer, closed, _ = _link(io_timeout_s=0.2)
+    with peer:
+        got = []
+
+        def slow_reader():
+            peer.settimeout(10)
+            total = 0
+            while total < (16 << 20):
+                chunk = peer.recv(4 << 20)
+                if not chunk:
+                    break
+                total += len(chunk)
+                time.sleep(0.01)
+            got.append(total)
+
+        t = threading.Thread(target=slow_reader, daemon=True)
+        t.start()
+        link.call({"op": "put"}, [bytearray(16 << 20)])
+        t.join(60)
+        assert got and got[0] >= 16 << 20 and not closed.is_set()
+        link.close()
+
+
+def test_a_link_lost_before_its_client_stored_it_is_not_kept_as_live(monkeypatch):
+    """The agent died right after its hello (its link closed before AgentClient stored it):
+    the client counts it lost and serves its fallback, instead of keeping a dead link that
+    refused every later call and was never replaced."""
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+    from tests.factories import NAMESPACE, make_key
+
+    cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
+    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+    try:
+        link, peer, _, _ = _link()
+        peer.close()  # the agent is gone: the reader closes the link at once
+        assert returns_within(lambda: [link.closed or threading.Event().wait(0.05) for _ in range(200)]
+                              and link.closed, hang_s=30)
+        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
+        monkeypatch.setattr(client, "_spawn", lambda timeout_s: (link, "1 shard(s)"))
+        client._start(5.0)
+        assert not client.up and client.counters["agent_exits"] == 1
+        assert client.lookup([make_key(1)]) == [None]  # the fallback answers
+    finally:
+        monkeypatch.undo()
+        client.close()
