@@ -220,15 +220,13 @@ class S3Tier:
             response = self._get(key, None)
             if max_bytes is not None and int(response.get("ContentLength") or 0) > max_bytes:
                 response["Body"].close()
-                with self._lock:
-                    self._stats["oversized"] += 1
-                return None
-            # no ContentLength (a chunked answer): read one byte past the bound at most
-            data = response["Body"].read() if max_bytes is None else response["Body"].read(max_bytes + 1)
+                data = None
+            else:  # with a bound, one byte past it at most (a chunked answer has no ContentLength)
+                data = response["Body"].read() if max_bytes is None else response["Body"].read(max_bytes + 1)
         except self._errors() as e:
             self._fail("get", key, e)
             return None
-        if max_bytes is not None and len(data) > max_bytes:
+        if data is None or (max_bytes is not None and len(data) > max_bytes):
             with self._lock:
                 self._stats["oversized"] += 1
             return None

@@ -259,20 +259,15 @@ class Agent:
         when it is no longer than ``header`` (the one looked up) says, and checked whole —
         header, and every layer's checksum, or tag when a key is set — before it goes to the
         vLLM process. None otherwise (counted in ``shared_rejected``)."""
-        from tiers.format import FormatError, check_payload, parse_header
+        from tiers.format import FormatError
+        from tiers.reader import validate_object
 
-        size = object_bytes(header)
         for tier in self.client.shared_tiers():
-            obj = tier.get(key, max_bytes=size)
+            obj = tier.get(key, max_bytes=header.total_bytes)
             if obj is None:
                 continue
             try:
-                got = parse_header(obj, expected_key=key)
-                if object_bytes(got) != len(obj):
-                    raise FormatError(f"{len(obj)} bytes, its header says {object_bytes(got)}")
-                view = memoryview(obj)
-                for i, e in enumerate(got.layers):
-                    check_payload(got, i, view[e.offset:e.offset + e.stored_len])
+                validate_object(obj, key)
             except FormatError as err:
                 log.debug("object of %s from %s rejected: %s", key, getattr(tier, "name", "?"), err)
                 self.shared_rejected += 1
@@ -281,10 +276,6 @@ class Agent:
             return obj
         return None
 
-
-def object_bytes(header) -> int:
-    """Length of the object ``header`` describes: its header and every layer's payload."""
-    return max([header.header_end] + [e.offset + e.stored_len for e in header.layers])
 
 
 def main(argv: list[str]) -> int:
