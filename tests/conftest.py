@@ -172,8 +172,9 @@ def _no_process_guard(nodeid: str):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Unit tests run (setup, call, teardown) under :func:`_no_process_guard`."""
-    if lane_of(item) != "unit":
+    """Unit tests run (setup, call, teardown) under :func:`_no_process_guard`; not those marked
+    ``gpu``: CUDA's libraries start helpers of their own (triton runs ``ldconfig -p``)."""
+    if lane_of(item) != "unit" or item.get_closest_marker("gpu") is not None:
         return (yield)
     with _no_process_guard(item.nodeid):
         return (yield)
