@@ -53,6 +53,8 @@ class ClusterConfig:
     ray_client: str = _f(
         "agent", "how a vLLM connector reaches Ray: 'agent' (a child process is the Ray driver: vLLM outlives a lost Ray head) or 'driver' (in vLLM's process: one copy less, but Ray ends the process when the head is gone)",
         choices=("agent", "driver"))
+    agent_arena_gib: float = _f(
+        4.0, "GiB of shared memory each vLLM process gives its cache agent: a request's chunk objects cross there with one copy, and it keeps them for the next requests (a request's objects beyond it are misses: size it for the largest prompt, ~128 KiB a token for an 8B bf16 model; 0 = over the socket)", (0.0, 1024.0))
     local_fallback: str = _f(
         "disk", "cache a process uses while no shard is reachable: 'disk' (machine-local, disk_size_gib under disk_path), 'memory' (1 GiB in this process) or 'off' (misses only)",
         choices=("disk", "memory", "off"))

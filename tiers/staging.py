@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from tiers.codec import TORCH_DTYPES, LayerBatch
+from tiers.direct_copy import Readable, copy_group, group_size
 from tiers.host_layers import TierLayers
 from tiers.keys import ChunkKey
 from tiers.pinned import PinnedChunks
@@ -167,6 +168,9 @@ class StagedSource:
                                    device=self.device if self._cuda else None)
         if self._cuda:
             self._copy_stream = torch.cuda.Stream(self.device)
+            use_device = getattr(self.layers, "use_device", None)
+            if use_device is not None:  # e.g. the agent client registers its arena with CUDA
+                use_device(self.device)
 
     # ------------------------------------------------------------------ KVSource
     def lookup(self, keys: Sequence[ChunkKey]) -> list:
@@ -240,6 +244,7 @@ class StagedSource:
         if all(f.done() for f in req.futures):  # resolved by close()
             return
         pinned: list = []
+        readable = None
         try:
             headers = [None] * len(req.keys)
             if not req.cancelled():
@@ -251,6 +256,10 @@ class StagedSource:
             offsets = np.cumsum([0] + sizes[:-1]).tolist() if sizes else []
             total = sum(sizes)
             pinned = self.pinned.acquire(req.keys)
+            readable = self._device_readable(req.keys, headers, views)
+            if readable is not None:  # views the copy engine reads: no pinned copy either
+                self._run_direct(req, headers, readable)
+                return
             if views is not None:
                 for key, h, p, v in zip(req.keys, headers, pinned, views, strict=True):
                     if h is not None and p is None:
@@ -259,10 +268,17 @@ class StagedSource:
             direct = bool(hits) and all(p is not None and len(p.layers) == h.num_layers
                                         and all(x.nbytes == h.layer_nbytes for x in p.layers)
                                         for p, h in hits)
-            self._run_layers(req, headers, views, offsets, total, pinned if direct else None)
+            if direct:
+                self._run_direct(req, headers, pinned)
+            else:
+                self._run_layers(req, headers, views, offsets, total)
         except Exception as e:  # noqa: BLE001 - a broken reader is a miss for the request
             log.warning("%s: staging a request failed (%s: %s)", self.name, type(e).__name__, e)
         finally:
+            if readable is not None:  # the views may go back to their owner once copied
+                last = [r.last_copy for r in readable if r is not None and r.last_copy is not None]
+                if last:
+                    last[-1].synchronize()
             self.pinned.release_all(pinned)
             for fut in req.futures:  # nothing left pending: the consumer never hangs
                 if fut.done():
@@ -270,8 +286,41 @@ class StagedSource:
                 if fut.running() or fut.set_running_or_notify_cancel():
                     fut.set_result(LayerBatch([None] * len(req.keys)))
 
-    def _run_layers(self, req: _Request, headers, views, offsets, total: int, pinned) -> None:
-        """Every layer of ``req`` in order (``pinned``: every hit chunk is in pinned memory)."""
+    def _run_direct(self, req: _Request, headers, entries) -> None:
+        """Every layer of ``req`` in order straight from ``entries`` (pinned chunks, or views
+        the copy engine reads): :func:`tiers.direct_copy.group_size` adjacent layers a copy."""
+        group, layers, n = group_size(headers, self.max_ahead), req.layers, 0
+        none = LayerBatch([None] * len(req.keys))
+        while n < len(layers):
+            size = 1
+            while size < group and n + size < len(layers) and layers[n + size] == layers[n + size - 1] + 1:
+                size += 1
+            last = n + size - 1
+            if last >= self.max_ahead and not self._wait_taken(req, last - self.max_ahead):
+                for rest in req.futures[n:]:
+                    if rest.set_running_or_notify_cancel():
+                        rest.set_result(none)
+                return
+            futs = req.futures[n:n + size]
+            claimed = [f.set_running_or_notify_cancel() for f in futs]
+            if any(claimed):
+                try:
+                    batches, timing = copy_group(entries, headers, layers[n:n + size], self.device,
+                                                 self._copy_stream if self._cuda else None, req.stream)
+                    if timing is not None:
+                        with self._lock:
+                            self._timings.append(timing)
+                except Exception as e:  # noqa: BLE001 - never leave a future unresolved
+                    log.warning("%s: copying layers %s failed (%s: %s)", self.name, layers[n:n + size],
+                                type(e).__name__, e)
+                    batches = [none] * size
+                for fut, ok, batch in zip(futs, claimed, batches, strict=True):
+                    if ok:
+                        fut.set_result(batch)
+            n += size
+
+    def _run_layers(self, req: _Request, headers, views, offsets, total: int) -> None:
+        """Every layer of ``req`` in order, each through a pinned slot."""
         for n, (layer_idx, fut) in enumerate(zip(req.layers, req.futures, strict=True)):
             if n >= self.max_ahead and not self._wait_taken(req, n - self.max_ahead):
                 for rest in req.futures[n:]:
@@ -281,10 +330,7 @@ class StagedSource:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                if pinned is not None:
-                    fut.set_result(self._direct(req, headers, pinned, offsets, total, layer_idx))
-                else:
-                    fut.set_result(self._stage(req, headers, views, offsets, total, layer_idx, n))
+                fut.set_result(self._stage(req, headers, views, offsets, total, layer_idx, n))
             except Exception as e:  # noqa: BLE001 - never leave a future unresolved
                 log.warning("%s: staging layer %d failed (%s: %s)", self.name, layer_idx,
                             type(e).__name__, e)
@@ -381,37 +427,17 @@ class StagedSource:
             out.append([np.frombuffer(v, dtype=np.uint8) for v in got])
         return out
 
-    def _direct(self, req: _Request, headers, pinned, offsets, total: int, layer_idx: int) -> LayerBatch:
-        """Layer ``layer_idx`` straight from pinned chunks: one device copy per chunk, no fill."""
-        keys = req.keys
-        out = LayerBatch([None] * len(keys))
-        if total == 0:
-            return out
-        if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self._copy_stream):
-                dev = torch.empty(total, dtype=torch.uint8, device=self.device)
-                start.record()
-                for p, h, off in zip(pinned, headers, offsets, strict=True):
-                    if p is not None:
-                        dev[off:off + h.layer_nbytes].copy_(torch.from_numpy(p.layers[layer_idx]), non_blocking=True)
-                end.record()
-            dev.record_stream(req.stream)  # freed only after the consumer's uses
-            for p in pinned:
-                if p is not None:
-                    p.last_copy = end
-            with self._lock:
-                self._timings.append((start, end, total))
-            out.ready = end
-        else:
-            dev = torch.empty(total, dtype=torch.uint8)
-            for p, h, off in zip(pinned, headers, offsets, strict=True):
-                if p is not None:
-                    dev[off:off + h.layer_nbytes].copy_(torch.from_numpy(p.layers[layer_idx]))
-        for i, (h, off) in enumerate(zip(headers, offsets, strict=True)):
-            if h is not None and pinned[i] is not None:
-                out[i] = dev[off:off + h.layer_nbytes].view(TORCH_DTYPES[h.dtype]).view(h.layer_shape)
-        return out
+    def _device_readable(self, keys, headers, views) -> list[Readable | None] | None:
+        """Per chunk its ``views`` as direct copy sources when the reader says the copy engine
+        reads every hit chunk's views (``views_device_readable``: memory registered with
+        CUDA, e.g. the cache agent's arena); else None."""
+        check = getattr(self.layers, "views_device_readable", None)
+        if not self._cuda or views is None or check is None:
+            return None
+        hits = [(k, h) for k, h in zip(keys, headers, strict=True) if h is not None]
+        if not hits or not all(check(k) for k, _h in hits):
+            return None
+        return [None if h is None else Readable(v) for h, v in zip(headers, views, strict=True)]
 
     def _stage(self, req: _Request, headers, views, offsets, total: int, layer_idx: int, n: int) -> LayerBatch:
         """Layer ``layer_idx`` of every chunk: filled into ring slot ``n``, then one copy.

@@ -6,6 +6,14 @@ disk directories after a stable node name), `connect` joins (or starts) Ray,
 `placement` maps chunk keys to shards and `metrics` exports the shards' Prometheus metrics.
 `protocol` is the one client contract (blend's KV source and sink plus administration) that
 `client` (over Ray: `router` reaches the owning shards, `puts` sends and flushes the writes)
-and `local` (one process, no Ray) implement, and `factory.make_client` picks one of them;
-nothing here imports the vLLM, CLI, workload or benchmark wings.
+and `local` (one process, no Ray) implement, and `factory.make_client` picks one of them.
+The vLLM connector's default is `agent_client`: Ray runs in a child `agent` (a Ray driver dies
+with a lost head; vLLM must not), reached over `wire` (frames, deadlines, heartbeats); chunk
+objects come back through the shared-memory `arena` that vLLM's process owns, held by
+`agent_objects`::
+
+    vLLM process: AgentClient --socket (wire)--> agent: CacheClient --Ray--> CacheShard
+                  AgentObjects <--arena (one memcpy)-- agent copies the mapped object
+
+Nothing here imports the vLLM, CLI, workload or benchmark wings.
 """

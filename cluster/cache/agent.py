@@ -91,6 +91,8 @@ class Agent:
         self.answers_oversized = 0  # objects over what the vLLM side accepts, answered as misses
         self.max_buffer_bytes = MAX_BUFFER_BYTES
         self.max_frame_bytes = MAX_FRAME_BYTES
+        self.arena = None  # an ArenaWriter over the vLLM process's shared memory, when it sent one
+        self.arena_refused = 0  # slots named outside the arena
         self.heap = HeapTrimmer(on_trim=self._trimmed)
         self._done = threading.Event()
 
@@ -130,6 +132,7 @@ class Agent:
             value = message.get(name)
             if isinstance(value, int) and value > 0:
                 setattr(self, name, value)
+        self.map_arena(message.get("arena"))
         config = load_config(overrides=message["config"], environ={}, overrides_origin="agent")
         try:
             if connect(config.cluster) is None:
@@ -145,8 +148,23 @@ class Agent:
         except Exception as e:  # noqa: BLE001 - reported to the vLLM process, which falls back
             self.send({"ok": False, "why": f"{type(e).__name__}: {e}"})
             return False
-        self.send({"ok": True, "pid": os.getpid(), "shards": len(shards)})
+        self.send({"ok": True, "pid": os.getpid(), "shards": len(shards), "arena": self.arena is not None})
         return True
+
+    def map_arena(self, arena) -> None:
+        """Map the vLLM process's arena (``{"fd", "bytes"}`` of an inherited memfd); without
+        one, or when it cannot be mapped, objects go over the socket."""
+        if not isinstance(arena, dict):
+            return
+        from cluster.cache.arena import ArenaWriter
+
+        fd, nbytes = arena.get("fd"), arena.get("bytes")
+        try:
+            if not (isinstance(fd, int) and isinstance(nbytes, int)):
+                raise ValueError(f"arena {arena!r}")
+            self.arena = ArenaWriter(fd, nbytes)
+        except (OSError, ValueError) as e:
+            log.warning("kvblend agent: cannot map the shared-memory arena (%s); objects go over the socket", e)
 
     def serve(self) -> None:
         """Answer requests until the vLLM process closes the socket, a frame is refused, a
@@ -215,8 +233,11 @@ class Agent:
             from tiers.format import positions_to_runs
 
             metas = client.lookup(keys)
-            return [None if m is None else [m.num_tokens, positions_to_runs(m.positions), m.tier]
-                    for m in metas], []
+            return [None if m is None else [m.num_tokens, positions_to_runs(m.positions), m.tier,
+                                            object_bound(client.header(k))]
+                    for k, m in zip(keys, metas, strict=True)], []
+        if op == "objects" and "slots" in message:
+            return self.objects_into_arena(keys, message["slots"]), []
         if op == "objects":
             entries, arrays = client.map_for_read(keys)
             objects = [None if a is None else a[0] for a in arrays]
@@ -231,7 +252,7 @@ class Agent:
                     objects[i] = where[i] = None  # the vLLM side would refuse the frame: a miss
                     self.answers_oversized += 1
                 total += n if objects[i] is not None else 0
-            return where, [o for o in objects if o is not None]
+            return {"where": where, "sizes": [None] * len(where)}, [o for o in objects if o is not None]
         if op == "contains":
             return client.contains(keys), []
         if op == "delete":
@@ -249,10 +270,46 @@ class Agent:
             return client.flush(float(message["timeout_s"])), []
         if op == "stats":
             return {**client.stats(), "heap_trims": self.heap_trims, "shared_rejected": self.shared_rejected,
-                    "answers_oversized": self.answers_oversized}, []
+                    "answers_oversized": self.answers_oversized, "arena_refused": self.arena_refused}, []
         if op == "clear":
             return client.clear(message.get("namespace")), []
         raise ValueError(f"unknown agent op {op!r}")
+
+    def objects_into_arena(self, keys: list, slots: list) -> dict:
+        """Each key's object written into its slot ``[offset, capacity]`` of the arena:
+        ``{"where": ["host"|"shared"|"refit"|None], "sizes": [bytes|None]}`` (``refit``: the
+        object is larger than its slot, ``sizes`` says how large; nothing written)."""
+        if self.arena is None or not isinstance(slots, list) or len(slots) != len(keys):
+            raise ValueError("objects into an arena: no arena, or not one slot per key")
+        entries, arrays = self.client.map_for_read(keys)
+        where: list = [None] * len(keys)
+        sizes: list = [None] * len(keys)
+        todo: list[tuple[int, str, object]] = []
+        for i, (e, a) in enumerate(zip(entries, arrays, strict=True)):
+            obj, kind = (a[0], "host") if a is not None else (None, None)
+            if obj is None and e is not None:  # owner dead: a shared tier may hold it
+                obj, kind = self.shared_object(keys[i], e.header), "shared"
+            if obj is None:
+                continue
+            n, slot = memoryview(obj).nbytes, slots[i]
+            if not (isinstance(slot, list) and len(slot) == 2):
+                self.arena_refused += 1
+            elif isinstance(slot[1], int) and n > slot[1]:
+                where[i], sizes[i] = "refit", n
+            else:
+                todo.append((i, kind, obj))
+        good = []
+        for i, kind, obj in todo:  # slots outside the arena are refused here, nothing written
+            try:
+                self.arena.target(slots[i][0], slots[i][1], obj)
+                good.append((i, kind, obj))
+            except ValueError as err:
+                log.debug("arena slot for %s refused: %s", keys[i], err)
+                self.arena_refused += 1
+        written = self.arena.write_many([(slots[i][0], slots[i][1], obj) for i, _k, obj in good])
+        for (i, kind, _obj), n in zip(good, written, strict=True):
+            where[i], sizes[i] = kind, n
+        return {"where": where, "sizes": sizes}
 
     def shared_object(self, key, header) -> bytes | None:
         """``key``'s whole object from the first shared tier that holds a valid one: read only
@@ -276,6 +333,14 @@ class Agent:
             return obj
         return None
 
+
+
+def object_bound(header) -> int:
+    """An upper bound of the bytes of ``header``'s chunk object in any encoding (its
+    layers raw or lz4): what the vLLM side reserves in its arena (0: unknown)."""
+    if header is None:
+        return 0
+    return max(header.total_bytes, header.header_end + header.num_layers * (header.layer_nbytes + 64))
 
 
 def main(argv: list[str]) -> int:

@@ -7,12 +7,14 @@ head). This process never imports Ray. While the agent is up, calls go over its 
 =================  ==========================================================================
 ``lookup``         one round trip; waited for at most the lookup deadline (``lookup_timeout_s``
                    + margin) — a late answer is a miss for every key
-``fetch_layers``   the chunk objects come over once per request (``objects``: raw bytes, the
-                   agent's only copy), waited for at most ``load_timeout_s`` (the engine's own
-                   wait for a layer: a later answer could not be used); then each layer is
-                   sliced and checked here (its tag too, when a key is set and the object came
-                   from Redis or S3); ``host_layers()`` hands the same mapped objects to a CUDA
-                   worker's staging
+``fetch_layers``   the chunk objects come over once per request (``objects``): the agent
+                   copies each into a slot of this process's shared-memory arena
+                   (:mod:`cluster.cache.arena`; over the socket when there is none), waited
+                   for at most ``load_timeout_s`` (the engine's own wait for a layer: a later
+                   answer could not be used); then each layer is sliced and checked here (its
+                   tag too, when a key is set and the object came from Redis or S3);
+                   ``host_layers()`` hands the same objects to a CUDA worker's staging, which
+                   registers the arena with CUDA and copies layers from it to the GPU
 ``put``            the tensor's bytes, sent before returning; at most :data:`MAX_PUT_BYTES`
                    unanswered (more: the newest put is dropped and counted)
 ``contains``,      one round trip each, ``call_timeout_s`` (a timeout is a miss / False / 0)
@@ -43,21 +45,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import numpy as np
 import torch
 
 from blend.protocols import ChunkMeta, fetch_in_order
+from cluster.cache.agent_objects import AgentObjects
 from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.local import DeferredRead
 from cluster.cache.wire import MAX_BUFFER_BYTES, AgentLink, spawn_agent
 from tiers.codec import DTYPE_NAMES, layer_tensor
-from tiers.format import FormatError, decode_layer, parse_header
+from tiers.format import FormatError, decode_layer
 from tiers.keys import ChunkKey
 
 log = logging.getLogger("kvblend.client")
@@ -68,8 +69,6 @@ AGENT_START_TIMEOUT_S = 60.0
 BACKOFF_S = (1.0, 30.0)
 #: bytes of puts sent and not yet answered; beyond it a put is dropped (``puts_dropped``)
 MAX_PUT_BYTES = 512 << 20
-#: bytes of chunk objects kept between requests (LRU; those of the running call always stay)
-MAX_MAPPED_BYTES = 256 << 20
 #: largest chunk object accepted from the agent (the wire's buffer limit for this link)
 MAX_OBJECT_BYTES = MAX_BUFFER_BYTES
 #: seconds an agent must have served for its loss to start the back-off over
@@ -83,7 +82,7 @@ def link_timeouts(config) -> tuple[float, float]:
 
 COUNTERS = ("lookups", "hits", "misses", "read_errors", "timeouts", "agent_errors", "agent_busy",
             "agent_down_calls", "agent_starts", "agent_exits", "puts", "puts_dropped",
-            "layer_reads", "layer_misses")
+            "layer_reads", "layer_misses", "arena_full", "arena_refits")
 
 
 class _Entry:
@@ -118,12 +117,15 @@ class AgentClient:
         #: the objects call's wait: the engine's own wait for a layer (``load_timeout_s``)
         self.objects_wait_s = config.blend.load_timeout_s
         self.io_timeout_s, self.stuck_after_s = link_timeouts(config)
-        self.max_mapped_bytes = MAX_MAPPED_BYTES
+        self.arena_bytes = int(config.cluster.agent_arena_gib * 2**30)
+        #: what host_layers() keeps beyond the request it stages: nothing (self.objects keeps
+        #: objects between requests; views kept there too would pin arena slots)
+        self.max_mapped_bytes = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._link: AgentLink | None = None
-        #: key -> (object bytes, header, came from a shared tier: its layers are authenticated here)
-        self._objects: OrderedDict[ChunkKey, tuple[np.ndarray, object, bool]] = OrderedDict()
+        #: the chunk objects read from the agent (arena slots or socket buffers), LRU
+        self.objects = AgentObjects(self._count)
         self._put_bytes = 0
         self._starting = False
         self._closed = False
@@ -196,8 +198,19 @@ class AgentClient:
 
     def _spawn(self, timeout_s: float) -> tuple[AgentLink | None, str]:
         hello = {"op": "hello", "config": self.config.as_flat_dict(), "namespace": self.namespace}
-        return spawn_agent(hello, self._lost, start_timeout_s=timeout_s, io_timeout_s=self.io_timeout_s,
-                           stuck_after_s=self.stuck_after_s, max_buffer_bytes=MAX_OBJECT_BYTES)
+        arena = self.objects.new_arena(self.arena_bytes)  # each agent a fresh one
+        if arena is not None:
+            hello["arena"] = {"fd": arena.fd, "bytes": arena.nbytes}
+        try:
+            link, why = spawn_agent(hello, self._lost, start_timeout_s=timeout_s, io_timeout_s=self.io_timeout_s,
+                                    stuck_after_s=self.stuck_after_s, max_buffer_bytes=MAX_OBJECT_BYTES,
+                                    pass_fds=() if arena is None else (arena.fd,))
+        finally:
+            if arena is not None:
+                arena.close_fd()  # the agent holds its own descriptor now
+        if link is None or not link.arena:
+            self.objects.retire()  # no agent, or it could not map the arena: none held meanwhile
+        return link, why
 
     def _lost(self, link: AgentLink) -> None:
         with self._lock:
@@ -209,7 +222,7 @@ class AgentClient:
                 self._backoff = BACKOFF_S[0]
             self._next_start = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, BACKOFF_S[1])
-            self._objects.clear()
+        self.objects.retire()  # its arena too: a late write of the dying agent lands nowhere in use
         if not self._closed:
             self._state_change("down", f"cache agent (pid {link.pid}) exited ({link.why_closed}); serving "
                                "without the shared cache (full prefill) and reconnecting in the background")
@@ -231,10 +244,20 @@ class AgentClient:
                              name="kvblend-agent-start", daemon=True).start()
         return None
 
-    def _call(self, link: AgentLink, wait_s: float, message: dict, buffers: Sequence = ()):
-        """``(result, buffers)`` of one agent call, or None (counted) on timeout or error."""
+    def _call(self, link: AgentLink, wait_s: float, message: dict, buffers: Sequence = (),
+              on_done: Callable[[object], None] | None = None):
+        """``(result, buffers)`` of one agent call, or None (counted) on timeout or error.
+        ``on_done(future)`` runs once the call is over: answered, failed or refused."""
         try:
-            return link.call(message, buffers).result(timeout=wait_s)
+            try:
+                fut = link.call(message, buffers)
+            except BaseException:
+                if on_done is not None:
+                    on_done(None)
+                raise
+            if on_done is not None:
+                fut.add_done_callback(on_done)
+            return fut.result(timeout=wait_s)
         except (TimeoutError, FutureTimeout):  # distinct classes before Python 3.11
             self._count("timeouts")
         except BlockingIOError:
@@ -255,9 +278,10 @@ class AgentClient:
         out: list[ChunkMeta | None] = [None] * len(keys)
         for i, m in enumerate(got[0] if got is not None else ()):
             if m is not None and i < len(keys):
-                num_tokens, runs, tier = m
+                num_tokens, runs, tier, max_bytes = m
                 positions = tuple(p for start, n in runs for p in range(start, start + n))
                 out[i] = ChunkMeta(keys[i], int(num_tokens), positions, str(tier))
+                self.objects.note_size(keys[i], int(max_bytes))
         hits = sum(m is not None for m in out)
         with self._lock:
             self.counters["lookups"] += len(keys)
@@ -266,42 +290,23 @@ class AgentClient:
         return out
 
     def map_for_read(self, keys: list[ChunkKey]) -> tuple[list[_Entry | None], list[tuple | None]]:
-        """The objects of ``keys`` (fetched from the agent where not held already): per key
-        an entry with its header and ``(array, header)``, or None twice (a miss)."""
+        """The objects of ``keys`` (looked up first where unknown, then read from the agent
+        where not held already: :class:`~cluster.cache.agent_objects.AgentObjects`): per key
+        an entry with its header and ``(array, header, shared)``, or None twice (a miss)."""
         keys = list(keys)
-        with self._lock:
-            arrays = [self._objects.get(k) for k in keys]
-        need = [i for i, a in enumerate(arrays) if a is None]
+        unknown = [k for k in keys if not self.objects.knows(k)]
+        if unknown and self._link is not None and self.objects.arena is not None:
+            self.lookup(unknown)  # an arena slot is sized by the lookup's bound
         link = self._link
-        if need and link is not None:
-            got = self._call(link, self.objects_wait_s, {"op": "objects", "keys": [str(keys[i]) for i in need]})
-            if got is not None:
-                present, buffers = got
-                it = iter(buffers)
-                for i, p in zip(need, present, strict=False):
-                    if p:  # "host": the shard's host memory; "shared": read from Redis or S3
-                        arrays[i] = self._own(keys[i], next(it), shared=p == "shared")
-            with self._lock:
-                for k, a in zip(keys, arrays, strict=True):
-                    if a is not None:
-                        self._objects[k] = a
-                        self._objects.move_to_end(k)
-                held = sum(a[0].nbytes for a in self._objects.values())
-                for k in list(self._objects):
-                    if held <= self.max_mapped_bytes:
-                        break
-                    if k not in keys:
-                        held -= self._objects.pop(k)[0].nbytes
-        return [None if a is None else _Entry(a[1]) for a in arrays], arrays
 
-    def _own(self, key: ChunkKey, buf: bytearray, *, shared: bool) -> tuple[np.ndarray, object, bool] | None:
-        """The object's bytes and header (the header's tag checked when a key is set)."""
-        try:
-            return np.frombuffer(buf, dtype=np.uint8), parse_header(memoryview(buf), expected_key=key), shared
-        except FormatError as err:
-            log.debug("object of %s rejected: %s", key, err)
-            self._count("read_errors")
-            return None
+        def call(message: dict, on_done) -> tuple | None:
+            if link is None:
+                on_done(None)
+                return None
+            return self._call(link, self.objects_wait_s, message, on_done=on_done)
+
+        arrays = self.objects.read(keys, call)
+        return [None if a is None else _Entry(a[1]) for a in arrays], arrays
 
     def _fetch(self, keys: list[ChunkKey], layer_idx: int) -> list[torch.Tensor | None]:
         try:
@@ -353,6 +358,14 @@ class AgentClient:
     def host_layers(self) -> RayHostLayers:
         """The mapped objects as a CUDA worker's staging reads them (misses while down)."""
         return RayHostLayers(self)
+
+    def use_cuda(self) -> None:
+        """A CUDA worker stages from this client: arenas are registered with CUDA."""
+        self.objects.use_cuda()
+
+    def device_readable(self, arr) -> bool:
+        """Whether the copy engine reads ``arr`` (an object of this client) directly."""
+        return self.objects.device_readable(arr)
 
     def shared_tiers(self) -> list:
         """None here: the agent reads Redis/S3 for chunks whose owner shard died."""
@@ -417,9 +430,7 @@ class AgentClient:
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Delete keys (on the shards through the agent, or the fallback's); how many existed."""
         keys = list(keys)
-        with self._lock:
-            for k in keys:
-                self._objects.pop(k, None)
+        self.objects.forget(keys)
         link = self._agent()
         if link is None:
             return self.fallback.delete(keys)
@@ -431,8 +442,7 @@ class AgentClient:
         (``reset_cache``, ``kvblend clear``), and from the fallback; how many the shards deleted.
 
         Returns 0 when the agent does not answer within ``call_timeout_s`` x 10 (counted)."""
-        with self._lock:
-            self._objects.clear()
+        self.objects.forget()
         tier = getattr(self.fallback, "tier", None)  # the machine-local copies, as a shard clears
         if tier is not None and callable(getattr(tier, "keys", None)):
             stale = [k for k in tier.keys() if namespace is None or k.namespace == namespace]
@@ -454,7 +464,7 @@ class AgentClient:
         inner = got[0] if got is not None else self.fallback.stats()
         with self._lock:
             client = dict(self.counters)
-        return {"client": client, "shards": inner.get("shards", {}),
+        return {"client": client, "shards": inner.get("shards", {}), "arena": self.objects.stats(),
                 "agent": {"up": link is not None, "pid": link.pid if link else None,
                           "client": inner.get("client", {}), "heap_trims": inner.get("heap_trims", 0),
                           "shared_rejected": inner.get("shared_rejected", 0)}}
@@ -466,4 +476,5 @@ class AgentClient:
             link, self._link = self._link, None
         if link is not None:
             link.close()
+        self.objects.retire()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -9,11 +9,9 @@ Who calls what (one request; the contract both clients keep is
     after a request  put(key, kv[L, 2, T, H, D])  asynchronous, idempotent; flush(timeout_s)
 
 Placement: rendezvous hashing (:mod:`cluster.cache.placement`) of ``str(ChunkKey)`` over the
-names of the shard actors in ``ray_namespace``, kept by a
-:class:`~cluster.cache.router.ShardRouter` that re-reads them every
-:data:`~cluster.cache.router.REFRESH_S` seconds and after a failed call. Keys whose owner
-changes become misses (counted as ``placement_moves``). Puts go through a
-:class:`~cluster.cache.puts.ShardWriter`.
+shard actors of ``ray_namespace``, kept by a :class:`~cluster.cache.router.ShardRouter`
+(re-read every :data:`~cluster.cache.router.REFRESH_S` s and after a failed call); keys whose
+owner changes are misses (``placement_moves``). Puts: :class:`~cluster.cache.puts.ShardWriter`.
 
 Reads: ``lookup`` returns each hit's header bytes, which the client parses and caches, so
 per-layer reads need no metadata round trip. The first ``fetch_layer`` of a chunk this client
@@ -62,7 +60,7 @@ from tiers.stack import TierStack
 log = logging.getLogger("kvblend.client")
 
 #: bytes of chunk headers remembered after lookups (LRU by :func:`cluster.cache.headers.entry_nbytes`,
-#: ~20 KB for 32 layers of 256 tokens; by count, 65536, it was ~1.2 GiB); a forgotten one costs a parse.
+#: ~20 KB for 32 layers of 256 tokens; 65536 headers were ~1.2 GiB); a forgotten one costs a parse.
 MAX_CACHED_HEADER_BYTES = 64 << 20
 #: Several clients share a node's object store (2 GiB by default): at 1 GiB each, two vLLM
 #: workers' clients filled it and the shard's promotions from disk failed (the demo,
@@ -261,16 +259,21 @@ class CacheClient:
         return fetch_in_order(self._pool.submit, self._fetch, keys, layer_idxs)
 
     def host_layers(self) -> RayHostLayers:
-        """This client's layers as :class:`tiers.staging.StagedSource` reads them (pinned
-        staging on a CUDA worker)."""
+        """This client's layers as :class:`tiers.staging.StagedSource` reads them."""
         return RayHostLayers(self)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to counter ``name`` (see :meth:`stats`)."""
         self._count(name, n)
 
+    def header(self, key: ChunkKey) -> ChunkHeader | None:
+        """The header a lookup found for ``key`` (None: not known here)."""
+        with self._lock:
+            entry = self._meta.get(key)
+        return None if entry is None else entry.header
+
     def shared_tiers(self) -> list:
-        """The Redis/S3 tiers read directly when an owner shard is dead (may be empty)."""
+        """The Redis/S3 tiers read when an owner shard is dead (may be empty)."""
         return self._shared_tiers()
 
     def map_for_read(self, keys: list[ChunkKey]) -> tuple[list[HeaderEntry | None], list[tuple | None]]:
@@ -403,8 +406,7 @@ class CacheClient:
         return layer_tensor(raw, header.layer_shape, header.dtype).to(self.device)
 
     def _direct_layer(self, key: ChunkKey, header: ChunkHeader, layer_idx: int):
-        """One layer from the first shared tier holding a valid copy (the stack validates it
-        and deletes a corrupt one; each tier's own header gives the offsets), or None."""
+        """One layer from the first shared tier with a valid copy (the stack checks it), or None."""
         if not self._shared_tiers():
             return None
         raw = bytearray(header.layer_nbytes)  # raw layer bytes: the same in any encoding
@@ -454,8 +456,7 @@ class CacheClient:
         return out
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        """Delete keys from their shards (and the shared tiers); returns how many existed
-        (on the shards that answered)."""
+        """Delete keys from their shards (and shared tiers); how many existed (where answered)."""
         keys = list(keys)
         with self._lock:
             for k in keys:

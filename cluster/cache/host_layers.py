@@ -86,6 +86,28 @@ class RayHostLayers:
                     held -= 0 if a is None else a.nbytes
         return out
 
+    def forget(self) -> None:
+        """Drop every mapped object kept here (the next request maps its own anew)."""
+        with self._lock:
+            self._mapped.clear()
+            self._shared.clear()
+
+    def use_device(self, device) -> None:
+        """A CUDA staging source reads this: a client that can (the agent's) registers the
+        memory its objects arrive in with CUDA."""
+        hook = getattr(self.client, "use_cuda", None)
+        if hook is not None:
+            hook()
+
+    def views_device_readable(self, key: ChunkKey) -> bool:
+        """Whether ``key``'s views (from :meth:`layer_views`) lie in memory the copy engine
+        reads directly (the agent's registered arena): then they go to the GPU unstaged."""
+        check = getattr(self.client, "device_readable", None)
+        with self._lock:
+            arr = self._mapped.get(key)
+            shared = key in self._shared
+        return check is not None and arr is not None and not shared and check(arr)
+
     def layer_views(self, key: ChunkKey, header: ChunkHeader) -> list[np.ndarray] | None:
         """Zero-copy views of a mapped object's raw layers (checked at the shard); None for an
         object with lz4 layers or one read from a shared tier (``layer_into`` reads those)."""

@@ -221,6 +221,7 @@ class AgentLink:
         self.max_buffer_bytes = max_buffer_bytes
         self.io_timeout_s = io_timeout_s
         self.why_closed = ""
+        self.arena = False  # the agent writes objects into the caller's shared-memory arena
         self._clock = clock
         self.last_frame = clock()  # when bytes last arrived
         self._lock = threading.Lock()
@@ -341,13 +342,16 @@ class AgentLink:
             self.proc.wait()
 
 
-#: the agent's entry point (``python -I -c``): the interpreter's own path, then this process's
-#: (argv[1]; never '' or the working directory), so the kvblend and the libraries it runs are
-#: this process's, whatever the working directory holds
+#: the agent's entry point (``python -I -c``): the interpreter's own path, the folder of the
+#: kvblend this process imported (argv[1], even when it is the working directory: this process
+#: runs that code already), then this process's path (argv[2]; never '' or the working
+#: directory), so the kvblend and the libraries it runs are this process's, whatever else the
+#: working directory holds
 _BOOT = ("import os, sys; here = os.getcwd(); "
-         "sys.path += [p for p in sys.argv[1].split(os.pathsep) if p and p not in sys.path "
+         "sys.path += [sys.argv[1]] if sys.argv[1] not in sys.path else []; "
+         "sys.path += [p for p in sys.argv[2].split(os.pathsep) if p and p not in sys.path "
          "and os.path.abspath(p) != here]; "
-         "from cluster.cache.agent import main; sys.exit(main(sys.argv[2:]))")
+         "from cluster.cache.agent import main; sys.exit(main(sys.argv[3:]))")
 
 
 def package_root() -> str:
@@ -357,21 +361,23 @@ def package_root() -> str:
 
 
 def spawn_agent(hello: dict, on_close: Callable[[AgentLink], None], *, start_timeout_s: float,
-                **link_options) -> tuple[AgentLink | None, str]:
+                pass_fds: Sequence[int] = (), **link_options) -> tuple[AgentLink | None, str]:
     """Start a cache agent (:mod:`cluster.cache.agent`) on a socketpair, send it ``hello`` and
     wait up to ``start_timeout_s`` for its answer: ``(link, "<n> shard(s)")``, or ``(None,
     why)`` with the process ended. The agent runs ``python -I`` with this process's
-    environment; its ``sys.path`` is the interpreter's own, then :func:`package_root` and this
-    process's ``sys.path`` without ``''`` and the working directory: the kvblend and libraries
-    this process runs, never a ``cluster/`` folder where vLLM was started. ``link_options``:
+    environment; its ``sys.path`` is the interpreter's own, then :func:`package_root` (even
+    when that is the working directory) and this process's ``sys.path`` without ``''`` and the
+    working directory: the kvblend and libraries this process runs, never another ``cluster/``
+    folder where vLLM was started. ``link_options``:
     :class:`AgentLink`'s keywords; ``io_timeout_s`` and the buffer limits also go to the agent
     in ``hello`` (it answers a larger object as a miss rather than send what this side
-    refuses)."""
-    path = os.pathsep.join([package_root(), *(p for p in sys.path if p)])
+    refuses). ``pass_fds``: more descriptors the agent inherits (the arena's memfd, named in
+    ``hello``); the link's ``arena`` says whether the agent mapped it."""
+    path = os.pathsep.join(p for p in sys.path if p)
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, path, str(child.fileno())],
-                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, package_root(), path, str(child.fileno())],
+                                pass_fds=(child.fileno(), *pass_fds), stdin=subprocess.DEVNULL, cwd=os.getcwd())
     except BaseException:
         parent.close()
         raise
@@ -386,6 +392,7 @@ def spawn_agent(hello: dict, on_close: Callable[[AgentLink], None], *, start_tim
         answer, _ = recv_frame(parent)
         if answer.get("ok"):
             link = AgentLink(proc, parent, int(answer["pid"]), on_close, **link_options)
+            link.arena = answer.get("arena") is True
             return link, f"{answer.get('shards')} shard(s)"
     except (OSError, WireError, ValueError, KeyError, TypeError) as e:
         proc.kill()

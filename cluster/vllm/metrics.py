@@ -56,6 +56,13 @@ PROM_COUNTERS: dict[str, str] = {
     "store_s": "seconds spent computing and storing chunks",
     "heap_trims": "times the worker handed freed heap back to the OS after requests finished (malloc_trim)",
     "heap_trim_s": "seconds those trims took (on the model's thread between engine steps; a trailing one on a timer thread)",
+    "arena_full": "chunk objects not read because the cache agent's shared-memory arena had no room (misses)",
+}
+#: gauge -> help text: ``vllm:kvblend_<name>`` (Gauge, summed over the workers); they travel as
+#: deltas like the counters (the worker bumps the change since its last report)
+PROM_GAUGES: dict[str, str] = {
+    "arena_bytes": "bytes of the cache agents' shared-memory arenas (agent_arena_gib per worker)",
+    "arena_used_bytes": "bytes of those arenas holding chunk objects (read, or being read)",
 }
 
 
@@ -68,7 +75,7 @@ class Counters:
     """
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = dict.fromkeys(PROM_COUNTERS, 0)
+        self.totals: dict[str, float] = dict.fromkeys([*PROM_COUNTERS, *PROM_GAUGES], 0)
         self._interval: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -76,7 +83,7 @@ class Counters:
         """Add ``deltas`` (name -> amount) to the totals and to the current interval.
 
         Raises:
-            KeyError: a name not in :data:`PROM_COUNTERS` (our own bug).
+            KeyError: a name not in :data:`PROM_COUNTERS` or :data:`PROM_GAUGES` (our own bug).
         """
         with self._lock:
             for name, value in deltas.items():
@@ -120,9 +127,18 @@ class KVBlendPromMetrics(KVConnectorPromMetrics):
                                         labelnames=labelnames)
             self._counters[name] = {idx: counter.labels(*values)
                                     for idx, values in per_engine_labelvalues.items()}
+        self._gauges, self._levels = {}, {}
+        for name, doc in PROM_GAUGES.items():
+            gauge = self._gauge_cls(name=f"vllm:kvblend_{name}", documentation=f"kvblend: {doc}",
+                                    labelnames=labelnames, multiprocess_mode="mostrecent")
+            self._gauges[name] = {idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in (transfer_stats_data or {}).items():
             per_engine = self._counters.get(name)
             if per_engine is not None and engine_idx in per_engine and value > 0:
                 per_engine[engine_idx].inc(value)
+            gauges = self._gauges.get(name)
+            if gauges is not None and engine_idx in gauges and value:
+                level = self._levels[(name, engine_idx)] = self._levels.get((name, engine_idx), 0) + value
+                gauges[engine_idx].set(level)

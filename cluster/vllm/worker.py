@@ -86,6 +86,7 @@ class KVBlendWorker:
         self._engine_lock = threading.Lock()
         self._source = None  # WorkerKVSource: the worker's gpu tier in front of the client
         self._invalid_block_ids: set[int] = set()
+        self._arena_reported = {"arena_bytes": 0, "arena_used_bytes": 0, "arena_full": 0}
         self._loads: OrderedDict[str, _LoadRun] = OrderedDict()  # async loads in flight
         self._recv_done: set[str] = set()    # async loads done (finished_recving)
         # freed heap back to the OS after requests finish (also once the worker went idle)
@@ -246,6 +247,19 @@ class KVBlendWorker:
                             selection_fallbacks=int(c.selection_fallback is not None), probe_s=c.probe_s)
         if c.full_prefill_reason is not None:
             self._counters.bump(fallbacks=1)
+        self._report_arena()
+
+    def _report_arena(self) -> None:
+        """The agent arena's size and use (gauges) and its full-arena misses since the last
+        report, as deltas (no call to the agent: the client's own numbers)."""
+        objects = getattr(self.client, "objects", None)  # only the agent client has an arena
+        if objects is None:
+            return
+        now = {**objects.stats(), "arena_full": self.client.counters.get("arena_full", 0)}
+        deltas = {k: now[k] - old for k, old in self._arena_reported.items() if now[k] != old}
+        self._arena_reported = {k: now[k] for k in self._arena_reported}
+        if deltas:
+            self._counters.bump(**deltas)
 
     def _load_failed(self, run: _LoadRun, e: Exception) -> None:
         """Recompute the claimed KV by full prefill through the same adapter; if even that

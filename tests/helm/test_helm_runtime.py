@@ -263,3 +263,15 @@ def test_vllm_local_fallback_is_the_pods_own_and_disk_gets_a_bounded_volume(helm
     (volume,) = [v for v in spec["volumes"] if v["name"] == mounts[cfg["disk_path"]]]
     assert _quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= cfg["disk_size_gib"] * GIB
 
+
+
+def test_vllm_memory_counts_the_cache_agents_arena(rendered):
+    """Issue 32: each GPU worker's cache agent arena (agent_arena_gib of shared memory, pinned
+    for CUDA) is the vLLM pod's memory: the request and the limit are vllm.memory plus one
+    arena per worker."""
+    values = rendered.values
+    resources = rendered.one("Deployment", "vllm")["spec"]["template"]["spec"]["containers"][0]["resources"]
+    workers = max(1, int(values["vllm"]["gpus"]))
+    want = _quantity_bytes(values["vllm"]["memory"]) + workers * values["kvblend"]["config"]["agent_arena_gib"] * GIB
+    assert _quantity_bytes(resources["requests"]["memory"]) == want
+    assert resources["limits"]["memory"] == resources["requests"]["memory"]

@@ -118,6 +118,20 @@ GiB (float) -> whole MiB, rounded up, as a Kubernetes quantity. */}}
 {{/* A Ray object store size in GiB -> bytes (ray start takes bytes). Shard nodes use
 kvblend.config.object_store_gib (their host tier lives in it); the head and vLLM nodes have
 their own, smaller sizes. */}}
+{{/* A vLLM pod's memory request and limit: vllm.memory plus the shared-memory arena of each
+worker's cache agent (kvblend.config.agent_arena_gib per GPU worker: its pages are the pod's
+memory once written). */}}
+{{- define "kvblend.vllmMemory" -}}
+{{- $v := .Values.vllm -}}
+{{- $mem := toString $v.memory -}}
+{{- if not (hasSuffix "Gi" $mem) -}}
+{{- fail (printf "vllm.memory must be given in Gi (got %q): the chart adds the cache agent's arena to it" $mem) -}}
+{{- end -}}
+{{- $workers := max 1 (int $v.gpus) -}}
+{{- $arena := mulf (float64 (default 0.0 .Values.kvblend.config.agent_arena_gib)) (float64 $workers) -}}
+{{- include "kvblend.gibToMi" (addf (float64 (trimSuffix "Gi" $mem)) $arena) -}}
+{{- end -}}
+
 {{- define "kvblend.bytes" -}}
 {{- printf "%d" (mulf . 1073741824.0 | floor | int64) -}}
 {{- end -}}

@@ -222,6 +222,26 @@ def test_a_cluster_folder_in_the_working_directory_is_not_run_as_the_agent(tmp_p
         client.close()
 
 
+@pytest.mark.cluster
+def test_the_agent_runs_the_kvblend_this_process_runs_from_the_working_directory(monkeypatch):
+    """vLLM started in a kvblend checkout that is not installed (``PYTHONPATH=.``, as on the
+    GPU machine): the package root is the working directory. Before, the agent dropped it with
+    every other working-directory entry and died with ``No module named 'cluster'`` (every
+    call a miss); now the package this process imported is always the agent's."""
+    import subprocess
+    import sys
+
+    from cluster.cache.wire import _BOOT, package_root
+
+    monkeypatch.chdir(package_root())
+    # -S: no site-packages, so kvblend is not importable as installed (its editable .pth)
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", _BOOT.replace("from cluster.cache.agent import main",
+                                                                    "import cluster; print(cluster.__file__); main = lambda a: 0"),
+                          package_root(), "", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(package_root())
+
+
 @pytest.mark.unit
 def test_the_objects_call_waits_no_longer_than_the_engine_waits_for_a_layer(monkeypatch):
     """Issue 31 item 5: the engine gives up on a layer at load_timeout_s; the agent's objects
@@ -293,7 +313,7 @@ def test_an_object_the_agent_read_from_a_shared_tier_is_authenticated_in_this_pr
             client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
             try:
                 monkeypatch.setattr(client, "_link", Link())
-                answers.append(([where], [bytearray(forged)]))
+                answers.append(({"where": [where], "sizes": [None]}, [bytearray(forged)]))
                 got = [client.fetch_layer([key], i).result(30)[0] for i in range(kv.shape[0])]
                 if where == "shared":  # layer 0's tag fails; the others are genuine
                     assert got[0] is None and client.counters["read_errors"] == 1
@@ -309,3 +329,57 @@ def test_an_object_the_agent_read_from_a_shared_tier_is_authenticated_in_this_pr
             finally:
                 monkeypatch.undo()
                 client.close()
+
+
+@pytest.mark.cluster
+def test_objects_cross_through_the_arena_and_its_slots_come_back(kvconfig, shards):
+    """Issue 32: the agent writes a request's objects into the vLLM side's shared-memory arena
+    (bit-exact at ratio 1.0: every layer equals what was stored); the slots are free again
+    once the objects are dropped, and when the agent is killed in the middle of a read (here:
+    stopped, so its objects call is still open) its arena is retired and the next agent
+    serves from a fresh one."""
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+
+    client = AgentClient(kvconfig, NAMESPACE, LocalCacheClient())
+    pid = None
+    try:
+        assert client.up and client._link.arena, "the agent mapped the arena"
+        keys = [make_key(97800 + i) for i in range(4)]
+        kvs = [shard_kv(40 + i, num_tokens=64) for i in range(4)]
+        for k, kv in zip(keys, kvs, strict=True):
+            client.put(k, kv)
+        assert client.flush(30)
+        assert all(m is not None for m in client.lookup(keys))
+        for layer, fut in enumerate(client.fetch_layers(keys, range(kvs[0].shape[0]))):
+            assert all(torch.equal(t, kv[layer]) for t, kv in zip(fut.result(30), kvs, strict=True))
+        arena = client.objects.arena
+        used = client.stats()["arena"]["arena_used_bytes"]
+        assert used >= sum(kv.numel() * kv.element_size() for kv in kvs)  # the objects sit there
+        client.objects.forget()
+        assert arena.stats()["arena_used_bytes"] == 0
+
+        pid = client._link.pid
+        os.kill(pid, signal.SIGSTOP)  # the next objects call stays open
+        reader = threading.Thread(target=lambda: client.fetch_layer(keys, 0).result(60))
+        reader.start()
+        deadline = time.monotonic() + 30
+        while arena.stats()["arena_used_bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arena.stats()["arena_used_bytes"] > 0  # reserved for the open call
+        os.kill(pid, signal.SIGKILL)
+        reader.join(60)
+        deadline = time.monotonic() + 60
+        while (client.up or arena.stats()["arena_used_bytes"]) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the link ends (EOF): the open call fails, its slots come back
+        assert arena.retired and arena.stats()["arena_used_bytes"] == 0
+        while not client.up and time.monotonic() < deadline:
+            client.lookup(keys[:1])  # the next agent after the back-off
+            time.sleep(0.2)
+        assert client.up and client.objects.arena is not arena
+        got = client.fetch_layer(keys, 1).result(30)
+        assert all(torch.equal(t, kv[1]) for t, kv in zip(got, kvs, strict=True))
+    finally:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(pid, signal.SIGCONT)
+        client.close()

@@ -129,5 +129,5 @@ def test_objects_over_what_the_vllm_side_accepts_are_answered_as_misses(agent):
     a.max_buffer_bytes = 1024
     a.answer({"id": 12, "op": "objects", "keys": [str(make_key(4300)), str(make_key(4301))]}, [])
     reply, buffers = recv_frame(peer)
-    assert reply["result"] == ["host", None] and [bytes(b) for b in buffers] == [bytes(small)]
+    assert reply["result"]["where"] == ["host", None] and [bytes(b) for b in buffers] == [bytes(small)]
     assert a.answers_oversized == 1

@@ -290,6 +290,12 @@ def test_prometheus_hooks_export_our_counters():
     assert reg.get_sample_value("vllm:kvblend_claimed_tokens_total", {"model_name": "m", "engine": "1"}) == 950
     names = {m.name for m in reg.collect()}
     assert {f"vllm:kvblend_{n}" for n in PROM_COUNTERS} <= names
+    # gauges travel as deltas too: the agent arena's use, summed over the workers' reports
+    prom.observe({"arena_bytes": 4 << 30, "arena_used_bytes": 3 << 20}, engine_idx=0)
+    prom.observe({"arena_used_bytes": -(1 << 20)}, engine_idx=0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm:kvblend_arena_used_bytes", labels) == 2 << 20
+    assert reg.get_sample_value("vllm:kvblend_arena_bytes", labels) == 4 << 30
 
 
 def test_connector_stats_reach_vllm_every_step(blend_llm, tokenizer, monkeypatch):

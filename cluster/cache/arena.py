@@ -1,0 +1,277 @@
+"""The shared-memory arena through which the cache agent hands chunk objects to vLLM's process.
+
+Why (issue 32): over the agent's Unix socket the 1 GiB of KV of an 8K-token prompt reached
+the H200 in 1.01 s (1.06 GB/s, two kernel copies and a user copy per byte), 15x the same
+bytes read in-process. Here the bytes cross once, by one ``memcpy`` in the agent::
+
+    Ray object store (the agent maps the shard's object, zero-copy on the node)
+      |  the agent: np.copyto into the slot the vLLM side reserved (GIL released,
+      v  :data:`COPY_THREADS` threads for a large object)
+    arena slot (memfd pages mapped MAP_SHARED by both processes)
+      |  vLLM's process reads the object in place: headers parsed and layers sliced as views;
+      v  fetch_layer copies a layer once (the engine may write into what it gets), the CUDA
+         worker's staging copies it into its pinned slot and then onto the GPU
+
+Ownership. vLLM's process owns the arena (:class:`Arena`): it creates the memfd, gives it to
+each agent it starts (an inherited file descriptor, named in the hello frame) and reserves a
+slot per object before it asks for the objects; the agent (:class:`ArenaWriter`) writes only
+into slots named in the request, only within the arena, and answers with each object's
+length. Lifetimes:
+
+* a slot whose object came back becomes the array :meth:`Slot.view` returns; the slot is
+  free again when the last view of it is gone (``weakref.finalize`` on that array: the
+  client's object LRU, a staging request or the pinned store's background copy may each
+  hold one);
+* a slot whose object did not come (a miss, an object larger than the slot) is freed when
+  the answer arrives; one whose call timed out or was refused is freed when its answer
+  finally arrives or the link closes (a late write of the agent can only land in a slot
+  nobody else holds);
+* every agent gets a fresh arena: when an agent dies (killed mid-read included) its arena
+  is retired, no slot of it is handed out again, and its memory goes back to the system
+  once the last view of it is gone. So an agent that is still writing while it is killed
+  can never touch an object a reader holds.
+
+Bound: the arena never grows; a reservation that does not fit (after the client dropped
+objects it kept from earlier requests) is refused, and the read is a counted miss
+(``arena_full``), never a wait.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+log = logging.getLogger("kvblend.client")
+
+#: slot offsets and sizes are multiples of this (a page: DMA-friendly, no false sharing)
+ALIGN = 4096
+#: threads the agent copies a request's objects with (numpy releases the GIL while copying;
+#: on the H200's host one thread copies ~10 GB/s)
+COPY_THREADS = max(1, min(8, os.cpu_count() or 1))
+#: pieces of an object copied by one thread are at least this long
+_PARALLEL_BYTES = 8 << 20
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Slot:
+    """A reserved range ``[offset, offset + nbytes)`` of an :class:`Arena`; freed once, by
+    :meth:`release` or when the last array from :meth:`view` is collected."""
+
+    __slots__ = ("arena", "offset", "nbytes", "_freed", "__weakref__")
+
+    def __init__(self, arena: Arena, offset: int, nbytes: int) -> None:
+        self.arena, self.offset, self.nbytes = arena, offset, nbytes
+        self._freed = False
+
+    def release(self) -> None:
+        """Give the range back (idempotent; only for a slot never viewed)."""
+        self.arena._give_back(self)
+
+    def view(self, length: int) -> np.ndarray:
+        """The slot's first ``length`` bytes as a uint8 array over the shared pages (no copy);
+        the slot is freed when this array and every view of it are gone.
+
+        Raises:
+            ValueError: ``length`` is negative or larger than the slot.
+        """
+        if not 0 <= length <= self.nbytes:
+            raise ValueError(f"length {length} outside a slot of {self.nbytes} bytes")
+        arr = np.frombuffer(self.arena._mm, dtype=np.uint8, count=length, offset=self.offset)
+        weakref.finalize(arr, self.arena._give_back, self)
+        return arr
+
+
+class Arena:
+    """A bounded shared-memory region (a memfd) of ``nbytes``, split into :class:`Slot` s.
+
+    Args:
+        nbytes: the arena's size in bytes (rounded up to :data:`ALIGN`); memory is committed
+            only as pages are written.
+        name: the memfd's name (``/proc/<pid>/fd`` shows it).
+
+    Raises:
+        OSError: the system refuses the memfd or its size.
+    """
+
+    def __init__(self, nbytes: int, name: str = "kvblend-agent-arena") -> None:
+        self.nbytes = _round_up(max(ALIGN, int(nbytes)))
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            self._mm = mmap.mmap(self.fd, self.nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), by offset
+        self.used = 0
+        self.peak = 0
+        self.retired = False
+        self.base = int(np.frombuffer(self._mm, dtype=np.uint8).ctypes.data)
+        self.registered = False
+
+    def register_cuda(self) -> bool:
+        """Page-lock the arena for CUDA (``cudaHostRegister``, portable: every context of this
+        process), so the copy engine reads its objects straight into device memory with no
+        staging copy. Commits the arena's memory now. Unregistered when the arena and every
+        view of it are gone. False (logged) when CUDA refuses; the arena works unregistered."""
+        if self.registered:
+            return True
+        import torch
+
+        err = int(torch.cuda.cudart().cudaHostRegister(self.base, self.nbytes, 1))
+        if err != 0:
+            log.warning("kvblend: cudaHostRegister of the %d-byte agent arena failed (cudaError %d); "
+                        "its objects are staged through pinned slots", self.nbytes, err)
+            return False
+        self.registered = True
+        weakref.finalize(self, _unregister, self.base, self._mm)  # holds the mapping until then
+        return True
+
+    def holds(self, arr: np.ndarray) -> bool:
+        """Whether ``arr``'s bytes lie inside this arena."""
+        ptr = int(arr.ctypes.data)
+        return self.base <= ptr and ptr + arr.nbytes <= self.base + self.nbytes
+
+    def reserve(self, nbytes: int) -> Slot | None:
+        """A slot of at least ``nbytes`` (first fit), or None when none is free (or retired)."""
+        need = _round_up(max(1, int(nbytes)))
+        with self._lock:
+            if self.retired:
+                return None
+            for i, (off, size) in enumerate(self._free):
+                if size >= need:
+                    if size == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + need, size - need)
+                    self.used += need
+                    self.peak = max(self.peak, self.used)
+                    return Slot(self, off, need)
+        return None
+
+    def _give_back(self, slot: Slot) -> None:
+        with self._lock:
+            if slot._freed:
+                return
+            slot._freed = True
+            self.used -= slot.nbytes
+            off, size = slot.offset, slot.nbytes
+            i = bisect.bisect_left(self._free, (off, 0))
+            if i < len(self._free) and self._free[i][0] == off + size:  # merge with the next
+                size += self._free.pop(i)[1]
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:  # and the previous
+                off, size = self._free[i - 1][0], self._free[i - 1][1] + size
+                self._free[i - 1] = (off, size)
+            else:
+                self._free.insert(i, (off, size))
+
+    def close_fd(self) -> None:
+        """Close this process's descriptor of the memfd (once the agent inherited its own);
+        the mapping stays. Idempotent."""
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def retire(self) -> None:
+        """No more reservations (its agent is gone); the mapping lives on while views of it
+        do, and its memory goes back to the system with the last one."""
+        with self._lock:
+            self.retired = True
+        self.close_fd()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"arena_bytes": self.nbytes, "arena_used_bytes": self.used,
+                    "arena_peak_bytes": self.peak}
+
+
+def _unregister(ptr: int, _mapping) -> None:
+    """Undo :meth:`Arena.register_cuda` (the arena and all its views are gone; ``_mapping``
+    kept the pages mapped until now)."""
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+        log.debug("cudaHostUnregister of the agent arena failed: %s", e)
+
+
+class ArenaWriter:
+    """The agent's side of an :class:`Arena`: the same memfd mapped read-write.
+
+    Args:
+        fd: the inherited memfd (closed here once mapped).
+        nbytes: its size, as the hello frame says (checked against the file's).
+
+    Raises:
+        OSError, ValueError: the descriptor is not a file of ``nbytes`` bytes.
+    """
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes or nbytes <= 0:
+                raise ValueError(f"arena descriptor holds {size} bytes, hello says {nbytes}")
+            self._mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+        self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvblend-agent-copy")
+
+    def target(self, offset, capacity, obj) -> tuple[np.ndarray, np.ndarray]:
+        """``(destination, source)`` uint8 arrays of one object's copy into its slot.
+
+        Raises:
+            ValueError: a slot outside the arena, or an object larger than its slot.
+        """
+        src = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj.reshape(-1).view(np.uint8)
+        if not (isinstance(offset, int) and isinstance(capacity, int)
+                and 0 <= offset and 0 <= capacity and offset + capacity <= self.nbytes):
+            raise ValueError(f"slot [{offset}, +{capacity}) outside an arena of {self.nbytes} bytes")
+        if src.nbytes > capacity:
+            raise ValueError(f"object of {src.nbytes} bytes does not fit a slot of {capacity}")
+        return self._buf[offset:offset + src.nbytes], src
+
+    def write(self, offset: int, capacity: int, obj) -> int:
+        """Copy ``obj`` (any buffer) into the slot ``[offset, offset + capacity)``; its length.
+        Raises ValueError as :meth:`write_many` does."""
+        return self.write_many([(offset, capacity, obj)])[0]
+
+    def write_many(self, items) -> list[int]:
+        """Copy each ``(offset, capacity, obj)`` into its slot, all of them at once in pieces
+        over :data:`COPY_THREADS` threads (the request's objects in parallel, not one after
+        another); their lengths. Raises ValueError for a slot outside the arena or an object
+        larger than its slot, before anything is written."""
+        pairs = [self.target(o, c, obj) for o, c, obj in items]
+        pieces = []
+        for dst, src in pairs:
+            step = max(_PARALLEL_BYTES, _round_up(-(-src.nbytes // COPY_THREADS)))
+            pieces += [(dst[i:i + step], src[i:i + step]) for i in range(0, src.nbytes, step)]
+        if len(pieces) == 1:
+            np.copyto(*pieces[0])
+        else:
+            jobs = [self._pool.submit(_copy_all, pieces[g::COPY_THREADS]) for g in range(min(COPY_THREADS, len(pieces)))]
+            for job in jobs:
+                job.result()
+        return [src.nbytes for _dst, src in pairs]
+
+
+def _copy_all(pieces) -> None:
+    for dst, src in pieces:
+        np.copyto(dst, src)
