@@ -82,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "drop: /proc/sys/vm/drop_caches (machine-wide; falls back to fadvise), keep")
     p.add_argument("--in-process", action="store_true",
                    help="measure every length in this process (default: one child process per length)")
+    p.add_argument("--client", default="", metavar="NAMES",
+                   help="instead of the tiers: the shared cache's path to the GPU through these clients "
+                        "(agent,ray,local: cluster.bench.gpu_clients; needs ray)")
+    p.add_argument("--churn-lengths", default="8192", help="with --client: lengths that also get a churn row")
+    p.add_argument("--arena-gib", type=float, default=0.0,
+                   help="with --client: the agent's arena (agent_arena_gib; default: the config's)")
     p.add_argument("--plot", default="", metavar="PNG",
                    help="only draw this PNG from --json (blend time per tier and length beside full prefill)")
 
@@ -117,6 +123,18 @@ def run(args: argparse.Namespace) -> int:
     if not lengths or min(lengths) < args.chunk_tokens // 2 + PREFIX_TOKENS + QUERY_TOKENS:
         raise ValueError(f"--lengths {lengths}: each must hold at least one {args.chunk_tokens}-token chunk")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    if args.client:
+        from cluster.bench.gpu_clients import CLIENTS, print_rows, run_clients
+
+        args.client = [c for c in args.client.split(",") if c]
+        if not set(args.client) <= set(CLIENTS):
+            raise ValueError(f"--client {args.client}: each one of {CLIENTS}")
+        args.churn_lengths = _ints(args.churn_lengths)
+        out = run_clients(args, lengths)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print_rows(out)
+        return 0
     out = _in_process(args, lengths) if args.in_process or len(lengths) == 1 else _children(args, lengths)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=2)

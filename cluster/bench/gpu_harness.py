@@ -168,14 +168,17 @@ class GpuBench:
                  self.build_s["chunks"], kv_bytes / 1e9)
         self.page_cache = "not dropped (no disk run yet)"
 
-    def _plan(self, length: int, ratio: float, selection: str = ""):
+    def _plan(self, length: int, ratio: float, selection: str = "", chunks=None):
+        """The plan of a ``length``-token prompt (prefix, chunks, query); ``chunks``: its
+        ``(keys, token ids)`` (default: the first chunks built here)."""
         from blend.plan import CHUNK, PREFIX, QUERY, SEPARATOR, BlendPlan, Segment
 
         n = self.args.chunk_tokens
         num_chunks = _num_chunks(length, n)
+        keys, chunk_ids = chunks if chunks is not None else (self.keys, self.chunk_ids)
         ids = list(self.prefix_ids)
         segments = [Segment(PREFIX, 0, len(ids))]
-        for key, chunk in zip(self.keys[:num_chunks], self.chunk_ids[:num_chunks], strict=False):
+        for key, chunk in zip(keys[:num_chunks], chunk_ids[:num_chunks], strict=False):
             segments.append(Segment(SEPARATOR, len(ids), len(ids) + 1))
             ids.append(self.sep_id)
             segments.append(Segment(CHUNK, len(ids), len(ids) + n, key=key, hit=True,

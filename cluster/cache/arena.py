@@ -31,6 +31,12 @@ length. Lifetimes:
   once the last view of it is gone. So an agent that is still writing while it is killed
   can never touch an object a reader holds.
 
+Pages: the memfd's pages are allocated as they are first written and stay allocated when a
+slot is freed (reservations are first fit from offset 0, so later requests write resident
+pages). A first touch is slow on a VM (1 s per 128 MiB, both sides' faults, on the 2-core dev
+VM), so a new agent's first requests pay it once; a CUDA worker registers the arena, which
+commits every page when the staging source starts.
+
 Bound: the arena never grows; a reservation that does not fit (after the client dropped
 objects it kept from earlier requests) is refused, and the read is a counted miss
 (``arena_full``), never a wait.

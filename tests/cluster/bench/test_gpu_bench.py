@@ -53,3 +53,28 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
         other = cell["selections"]["k_deviation"]
         assert other["probe_s"] == 0 and other["selected_tokens"] == cell["selected_tokens"]
         assert other["ratio_host"] == pytest.approx(other["blend_host_s"] / row["full_s"])
+
+
+@pytest.mark.timeout(600)
+def test_bench_gpu_clients_tiny_runs_every_client_and_state(tmp_path):
+    """``--client`` (issue 32): every client the product builds, cold and churn, over a real
+    shard; no chunk-layer missed, no blend fell back, and the agent's objects crossed through
+    its arena (a child process: the bench starts and stops its own Ray cluster)."""
+    path = tmp_path / "clients.json"
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli.main", "bench", "gpu", "--client", "agent,ray,local",
+                           "--tiny", "--device", "cpu", "--lengths", "600", "--chunk-tokens", "64",
+                           "--repeats", "2", "--churn-lengths", "600", "--ratios", "0.15",
+                           "--disk-dir", str(tmp_path / "disk"), "--json", str(path)],
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(path.read_text())
+    rows = {(r["client"], r["state"]): r for r in out["rows"]}
+    assert set(rows) == {(c, s) for c in ("agent", "ray", "local") for s in ("cold", "churn")}
+    for row in rows.values():
+        assert row["transfer_missed_layers"] == 0 and row["blend_fell_back_runs"] == 0, row
+        for leg in ("transfer", "blend"):
+            assert 0 < row[f"{leg}_min_s"] <= row[f"{leg}_s"] <= row[f"{leg}_max_s"], (leg, row)
+        assert row["ratio_to_full"] == pytest.approx(row["blend_s"] / row["full_s"])
+    agent = out["agent_stats"]
+    assert agent["arena"]["arena_peak_bytes"] > 0 and agent["client"]["arena_full"] == 0
+    assert agent["client"]["lookups"] > 0 and agent["agent"]["up"] is True
