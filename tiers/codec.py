@@ -2,7 +2,8 @@
 
 :func:`encode_kv` lays a KV tensor out as one chunk object (:mod:`tiers.format`: header, then
 layer by layer); :func:`layer_tensor` views one decoded layer's bytes as a ``[2, T, H, D]``
-tensor. Axis letters: L layers, T tokens, H KV heads, D head dim. The tensor dtypes a chunk may
+tensor; :func:`object_layer` checks, decodes and copies one layer out of a whole chunk object
+(what every client does with the objects it holds mapped). Axis letters: L layers, T tokens, H KV heads, D head dim. The tensor dtypes a chunk may
 hold are those of :data:`TORCH_DTYPES` (the header's ``dtype`` names them).
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiers.format import encode_chunk
+from tiers.format import ChunkHeader, decode_layer, encode_chunk
 from tiers.keys import ChunkKey
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,3 +55,27 @@ def layer_tensor(raw: memoryview | bytes, shape: tuple[int, ...], dtype: str) ->
     if mv.readonly:
         mv = memoryview(bytearray(mv))
     return torch.frombuffer(mv, dtype=torch.uint8).view(TORCH_DTYPES[dtype]).view(shape)
+
+
+def object_layer(header: ChunkHeader, layer_idx: int, obj, *, authenticate: bool) -> torch.Tensor:
+    """Layer ``layer_idx`` of a whole chunk object, checked, decoded and copied out.
+
+    Args:
+        header: ``obj``'s own header (a tier may re-encode a chunk: its offsets are the object's).
+        obj: the object's bytes (any buffer: a mapped Ray object, an arena slot, bytes).
+        authenticate: check the layer's tag too when a key is set (objects read from Redis or
+            S3); False for bytes that were authenticated as they entered host memory.
+
+    Returns:
+        ``[2, T, H, D]`` in the stored dtype on the CPU, in memory of its own (one copy: the
+        object serves later requests, and the engine may write into what it gets).
+
+    Raises:
+        FormatError: a length or checksum mismatch, an lz4 stream that does not decode;
+        AuthError: a tag that does not match.
+    """
+    e = header.layers[layer_idx]
+    raw = decode_layer(header, layer_idx, memoryview(obj)[e.offset:e.offset + e.stored_len],
+                       authenticate=authenticate)
+    t = layer_tensor(raw, header.layer_shape, header.dtype)  # copies a read-only buffer
+    return t.clone() if not memoryview(raw).readonly else t

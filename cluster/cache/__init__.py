@@ -8,9 +8,10 @@ disk directories after a stable node name), `connect` joins (or starts) Ray,
 `client` (over Ray: `router` reaches the owning shards, `puts` sends and flushes the writes)
 and `local` (one process, no Ray) implement, and `factory.make_client` picks one of them.
 The vLLM connector's default is `agent_client`: Ray runs in a child `agent` (a Ray driver dies
-with a lost head; vLLM must not), reached over `wire` (frames, deadlines, heartbeats); chunk
-objects come back through the shared-memory `arena` that vLLM's process owns, held by
-`agent_objects`::
+with a lost head; vLLM must not), reached over `wire` (frames, deadlines, heartbeats) with the
+operations `agent_ops` declares once for both ends; chunk objects come back through the
+shared-memory `arena` that vLLM's process owns, held by `agent_objects`; a put carries the
+chunk object encoded once in vLLM's process::
 
     vLLM process: AgentClient --socket (wire)--> agent: CacheClient --Ray--> CacheShard
                   AgentObjects <--arena (one memcpy)-- agent copies the mapped object

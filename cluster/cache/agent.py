@@ -20,16 +20,17 @@ threads so a slow fetch never delays a lookup, and a heartbeat ``{"beat": n}`` g
 ``io_timeout_s`` (the vLLM process stopped reading) or any other failure of the serve loop ends
 the agent at once.
 
-Operations: ``lookup`` (keys -> ``[num_tokens, position runs, tier]`` or null), ``objects``
-(keys -> ``"host"``, ``"shared"`` or null, and each present object's bytes as a buffer: the
-agent holds a mapped one zero-copy from the node's object store and the copy into the socket is
-the only one; one only Redis or S3 still holds (owner shard dead) is read whole, at most the
-size its known header gives, and sent only when its header and every layer pass their checks,
-tags included when a key is set), ``contains``, ``delete``, ``clear`` (a namespace on every
-shard), ``put`` (one ``[L, 2, T, H, D]`` tensor as a buffer), ``flush``, ``stats`` (the
-client's statistics, ``heap_trims`` and ``shared_rejected``).
+Operations (:data:`cluster.cache.agent_ops.OPS` declares each once, with its lane; ``op_<name>``
+answers it): ``lookup``, ``objects`` (each object written into the slot of the vLLM process's
+arena that the request names, or without an arena sent as a buffer; the agent holds a mapped
+one zero-copy from the node's object store and that write is the only copy; one only Redis or
+S3 still holds (owner shard dead) is read whole, at most the size its known header gives, and
+handed over only when its header and every layer pass their checks, tags included when a key
+is set), ``contains``, ``delete``, ``clear`` (a namespace on every shard), ``put`` (one chunk
+object encoded in the vLLM process, forwarded to its owner as it came), ``flush``, ``stats``
+(the client's statistics, ``heap_trims`` and ``shared_rejected``).
 
-Memory: each ``put`` frame's buffer (and an ``objects`` answer read from a shared tier rather
+Memory: each ``put`` frame's buffer (a chunk object) (and an ``objects`` answer read from a shared tier rather
 than mapped) is a few MiB of heap, freed once answered; glibc keeps such freed blocks (while a
 stopped shard holds puts they pile up), so after answering one of those the agent asks its
 :class:`~cluster.heap.HeapTrimmer` to hand freed heap back (at most every 5 s, and once more
@@ -45,6 +46,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from cluster.cache.agent_ops import OPS, LookupHit, ObjectsAnswer
 from cluster.cache.wire import (
     BEAT_S,
     MAX_BUFFER_BYTES,
@@ -62,11 +64,6 @@ log = logging.getLogger("kvblend.agent")
 
 #: threads answering requests (lookups, object reads and puts run side by side)
 WORKERS = 8
-#: operations answered one at a time in arrival order
-ORDERED_OPS = frozenset({"put", "flush", "delete", "clear"})
-#: operations whose buffers (a stored chunk's KV, objects read from a shared tier) are large
-#: heap blocks freed after the answer: a heap trim is asked for after each
-BUFFER_OPS = frozenset({"put", "objects"})
 #: seconds the agent waits for its hello frame
 HELLO_TIMEOUT_S = 60.0
 
@@ -95,6 +92,8 @@ class Agent:
         self.arena_refused = 0  # slots named outside the arena
         self.heap = HeapTrimmer(on_trim=self._trimmed)
         self._done = threading.Event()
+        #: op name -> its handler ``op_<name>(keys, message, buffers) -> (result, buffers)``
+        self.handlers = {name: getattr(self, f"op_{name}") for name in OPS}
 
     def _trimmed(self, seconds: float) -> None:
         self.heap_trims += 1
@@ -181,7 +180,8 @@ class Agent:
                     message, buffers = recv_frame(self.sock)
                 except Idle:
                     continue
-                lane = ordered if message.get("op") in ORDERED_OPS else pool
+                op = OPS.get(message.get("op"))
+                lane = ordered if op is not None and op.ordered else pool
                 lane.submit(self.answer, message, buffers)
         except (WireError, OSError):
             pass
@@ -221,64 +221,75 @@ class Agent:
         # free the frame's buffers now (the pool's work item holds the list until this returns)
         buffers.clear()
         del out
-        if message.get("op") in BUFFER_OPS:
+        op = OPS.get(message.get("op"))
+        if op is not None and op.buffers:
             self.heap.request()
 
     def run(self, message: dict, buffers: list) -> tuple[object, list]:
+        """``(result, answer buffers)`` of one request: its op's handler (:data:`OPS`)."""
         from tiers.keys import ChunkKey
 
-        op, client = message["op"], self.client
-        keys = [ChunkKey.parse(k) for k in message.get("keys", ())]
-        if op == "lookup":
-            from tiers.format import positions_to_runs
+        handler = self.handlers.get(message.get("op"))
+        if handler is None:
+            raise ValueError(f"unknown agent op {message.get('op')!r}")
+        return handler([ChunkKey.parse(k) for k in message.get("keys", ())], message, buffers)
 
-            metas = client.lookup(keys)
-            return [None if m is None else [m.num_tokens, positions_to_runs(m.positions), m.tier,
-                                            object_bound(client.header(k))]
-                    for k, m in zip(keys, metas, strict=True)], []
-        if op == "objects" and "slots" in message:
-            return self.objects_into_arena(keys, message["slots"]), []
-        if op == "objects":
-            entries, arrays = client.map_for_read(keys)
-            objects = [None if a is None else a[0] for a in arrays]
-            where = [None if o is None else "host" for o in objects]
-            total = 0
-            for i, (e, obj) in enumerate(zip(entries, objects, strict=True)):
-                if e is not None and obj is None:  # owner dead: a shared tier may hold it
-                    objects[i] = self.shared_object(keys[i], e.header)
-                    where[i] = None if objects[i] is None else "shared"
-                n = 0 if objects[i] is None else memoryview(objects[i]).nbytes
-                if n and (n > self.max_buffer_bytes or total + n > self.max_frame_bytes):
-                    objects[i] = where[i] = None  # the vLLM side would refuse the frame: a miss
-                    self.answers_oversized += 1
-                total += n if objects[i] is not None else 0
-            return {"where": where, "sizes": [None] * len(where)}, [o for o in objects if o is not None]
-        if op == "contains":
-            return client.contains(keys), []
-        if op == "delete":
-            return client.delete(keys), []
-        if op == "put":
-            import torch
+    # -- the operations (cluster.cache.agent_ops.OPS says what each takes and answers) ---------
+    def op_lookup(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        from tiers.format import positions_to_runs
 
-            from tiers.codec import TORCH_DTYPES
+        metas = self.client.lookup(keys)
+        return [None if m is None else LookupHit(m.num_tokens, tuple(map(tuple, positions_to_runs(m.positions))),
+                                                 m.tier, object_bound(self.client.header(k))).to_wire()
+                for k, m in zip(keys, metas, strict=True)], []
 
-            dtype = TORCH_DTYPES[message["dtype"]]
-            kv = torch.frombuffer(buffers[0], dtype=torch.uint8).view(dtype).view(message["shape"])
-            client.put(keys[0], kv, message.get("positions"))
-            return None, []
-        if op == "flush":
-            return client.flush(float(message["timeout_s"])), []
-        if op == "stats":
-            return {**client.stats(), "heap_trims": self.heap_trims, "shared_rejected": self.shared_rejected,
-                    "answers_oversized": self.answers_oversized, "arena_refused": self.arena_refused}, []
-        if op == "clear":
-            return client.clear(message.get("namespace")), []
-        raise ValueError(f"unknown agent op {op!r}")
+    def op_objects(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        if "slots" in message:
+            return self.objects_into_arena(keys, message["slots"]).to_wire(), []
+        entries, arrays = self.client.map_for_read(keys)
+        objects = [None if a is None else a[0] for a in arrays]
+        where = [None if o is None else "host" for o in objects]
+        total = 0
+        for i, (e, obj) in enumerate(zip(entries, objects, strict=True)):
+            if e is not None and obj is None:  # owner dead: a shared tier may hold it
+                objects[i] = self.shared_object(keys[i], e.header)
+                where[i] = None if objects[i] is None else "shared"
+            n = 0 if objects[i] is None else memoryview(objects[i]).nbytes
+            if n and (n > self.max_buffer_bytes or total + n > self.max_frame_bytes):
+                objects[i] = where[i] = None  # the vLLM side would refuse the frame: a miss
+                self.answers_oversized += 1
+            total += n if objects[i] is not None else 0
+        answer = ObjectsAnswer(tuple(where), (None,) * len(where))
+        return answer.to_wire(), [o for o in objects if o is not None]
 
-    def objects_into_arena(self, keys: list, slots: list) -> dict:
-        """Each key's object written into its slot ``[offset, capacity]`` of the arena:
-        ``{"where": ["host"|"shared"|"refit"|None], "sizes": [bytes|None]}`` (``refit``: the
-        object is larger than its slot, ``sizes`` says how large; nothing written)."""
+    def op_contains(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        return self.client.contains(keys), []
+
+    def op_stats(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        return {**self.client.stats(), "heap_trims": self.heap_trims, "shared_rejected": self.shared_rejected,
+                "answers_oversized": self.answers_oversized, "arena_refused": self.arena_refused}, []
+
+    def op_put(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        """One chunk object, encoded once in vLLM's process, forwarded as it came (the owner
+        shard validates it before storing)."""
+        if len(keys) != 1 or len(buffers) != 1:
+            raise ValueError("a put carries one key and one object")
+        self.client.put_object(keys[0], buffers[0])
+        return None, []
+
+    def op_flush(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        return self.client.flush(float(message["timeout_s"])), []
+
+    def op_delete(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        return self.client.delete(keys), []
+
+    def op_clear(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+        return self.client.clear(message.get("namespace")), []
+
+    def objects_into_arena(self, keys: list, slots: list) -> ObjectsAnswer:
+        """Each key's object written into its slot ``[offset, capacity]`` of the arena
+        (``refit``: the object is larger than its slot, ``sizes`` says how large; nothing
+        written)."""
         if self.arena is None or not isinstance(slots, list) or len(slots) != len(keys):
             raise ValueError("objects into an arena: no arena, or not one slot per key")
         entries, arrays = self.client.map_for_read(keys)
@@ -309,7 +320,7 @@ class Agent:
         written = self.arena.write_many([(slots[i][0], slots[i][1], obj) for i, _k, obj in good])
         for (i, kind, _obj), n in zip(good, written, strict=True):
             where[i], sizes[i] = kind, n
-        return {"where": where, "sizes": sizes}
+        return ObjectsAnswer(tuple(where), tuple(sizes))
 
     def shared_object(self, key, header) -> bytes | None:
         """``key``'s whole object from the first shared tier that holds a valid one: read only

@@ -15,8 +15,10 @@ head). This process never imports Ray. While the agent is up, calls go over its 
                    tag too, when a key is set and the object came from Redis or S3);
                    ``host_layers()`` hands the same objects to a CUDA worker's staging, which
                    registers the arena with CUDA and copies layers from it to the GPU
-``put``            the tensor's bytes, sent before returning; at most :data:`MAX_PUT_BYTES`
-                   unanswered (more: the newest put is dropped and counted)
+``put``            the chunk object, encoded here once (the agent forwards it to the owner
+                   shard as it is), sent before returning; at most
+                   :data:`~cluster.cache.puts.MAX_PENDING_PUT_BYTES` unanswered (the Ray
+                   client's own bound; more: the newest put is dropped and counted)
 ``contains``,      one round trip each, ``call_timeout_s`` (a timeout is a miss / False / 0)
 ``delete``,
 ``flush``
@@ -53,12 +55,14 @@ import torch
 
 from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.agent_objects import AgentObjects
+from cluster.cache.agent_ops import LookupHit, request
 from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.local import DeferredRead
+from cluster.cache.puts import MAX_PENDING_PUT_BYTES
 from cluster.cache.wire import MAX_BUFFER_BYTES, AgentLink, spawn_agent
-from tiers.codec import DTYPE_NAMES, layer_tensor
-from tiers.format import FormatError, decode_layer
+from tiers.codec import encode_kv, object_layer
+from tiers.format import FormatError
 from tiers.keys import ChunkKey
 
 log = logging.getLogger("kvblend.client")
@@ -67,8 +71,6 @@ log = logging.getLogger("kvblend.client")
 AGENT_START_TIMEOUT_S = 60.0
 #: reconnect back-off after a failed start or a lost agent: first and largest, seconds
 BACKOFF_S = (1.0, 30.0)
-#: bytes of puts sent and not yet answered; beyond it a put is dropped (``puts_dropped``)
-MAX_PUT_BYTES = 512 << 20
 #: largest chunk object accepted from the agent (the wire's buffer limit for this link)
 MAX_OBJECT_BYTES = MAX_BUFFER_BYTES
 #: seconds an agent must have served for its loss to start the back-off over
@@ -274,14 +276,16 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return self.fallback.lookup(keys)
-        got = self._call(link, self.lookup_wait_s + 0.25, {"op": "lookup", "keys": [str(k) for k in keys]})
+        got = self._call(link, self.lookup_wait_s + 0.25, request("lookup", keys))
+        answers = got[0] if got is not None and isinstance(got[0], list) else []
         out: list[ChunkMeta | None] = [None] * len(keys)
-        for i, m in enumerate(got[0] if got is not None else ()):
-            if m is not None and i < len(keys):
-                num_tokens, runs, tier, max_bytes = m
-                positions = tuple(p for start, n in runs for p in range(start, start + n))
-                out[i] = ChunkMeta(keys[i], int(num_tokens), positions, str(tier))
-                self.objects.note_size(keys[i], int(max_bytes))
+        for i, value in enumerate(answers[:len(keys)]):
+            hit = None if value is None else LookupHit.from_wire(value)
+            if hit is not None:
+                out[i] = ChunkMeta(keys[i], hit.num_tokens, hit.positions(), hit.tier)
+                self.objects.note_size(keys[i], hit.object_bound)
+            elif value is not None:
+                self._count("agent_errors")  # a malformed answer: a miss
         hits = sum(m is not None for m in out)
         with self._lock:
             self.counters["lookups"] += len(keys)
@@ -316,15 +320,10 @@ class AgentClient:
                 t = None
                 if a is not None and layer_idx < a[1].num_layers:
                     arr, header, shared = a
-                    e = header.layers[layer_idx]
                     try:
                         # the node's host memory was authenticated as it entered (tiers.auth);
                         # an object read from Redis or S3 was not: its layer tag is checked here
-                        raw = decode_layer(header, layer_idx, memoryview(arr)[e.offset:e.offset + e.stored_len],
-                                           authenticate=shared)
-                        # a copy: the mapped object serves the next request too, and the
-                        # engine may write into what it gets
-                        t = layer_tensor(bytearray(raw), header.layer_shape, header.dtype).to(self.device)
+                        t = object_layer(header, layer_idx, arr, authenticate=shared).to(self.device)
                     except (FormatError, ValueError) as err:
                         log.debug("layer %d of %s rejected: %s", layer_idx, k, err)
                         self._count("read_errors")
@@ -373,8 +372,9 @@ class AgentClient:
 
     # -- KVSink and administration -------------------------------------------------------------
     def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:
-        """Send ``kv`` ``[L, 2, T, H, D]`` to the agent before returning (the agent's client
-        stores it asynchronously); dropped and counted beyond :data:`MAX_PUT_BYTES` in flight.
+        """Encode ``kv`` ``[L, 2, T, H, D]`` into a chunk object and send it to the agent before
+        returning (the agent forwards it to its owner shard); dropped and counted beyond
+        :data:`~cluster.cache.puts.MAX_PENDING_PUT_BYTES` in flight.
 
         Raises:
             TypeError: ``key`` is not a :class:`ChunkKey`.
@@ -382,29 +382,24 @@ class AgentClient:
         """
         if not isinstance(key, ChunkKey):
             raise TypeError(f"put expects a ChunkKey, got {type(key).__name__}")
-        if kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in DTYPE_NAMES:
-            raise ValueError(f"kv must be [L, 2, T, H, D] in {sorted(DTYPE_NAMES.values())}, "
-                             f"got {tuple(kv.shape)} {kv.dtype}")
         link = self._agent()
         if link is None:
             self.fallback.put(key, kv, positions)
             return
-        data = kv.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+        obj = encode_kv(key, kv, positions, compress=False)  # the only encoding before the shard
         with self._lock:
-            if self._put_bytes + data.nbytes > MAX_PUT_BYTES:
+            if self._put_bytes + len(obj) > MAX_PENDING_PUT_BYTES:
                 self.counters["puts_dropped"] += 1
                 return
-            self._put_bytes += data.nbytes
+            self._put_bytes += len(obj)
             self.counters["puts"] += 1
-        message = {"op": "put", "keys": [str(key)], "dtype": DTYPE_NAMES[kv.dtype], "shape": list(kv.shape),
-                   "positions": None if positions is None else [int(p) for p in positions]}
 
-        def done(_fut=None, n=data.nbytes) -> None:
+        def done(_fut=None, n=len(obj)) -> None:
             with self._lock:
                 self._put_bytes -= n
 
         try:
-            link.call(message, [data]).add_done_callback(done)
+            link.call(request("put", [key]), [obj]).add_done_callback(done)
         except Exception as e:  # noqa: BLE001 - a put that cannot be sent is dropped
             done()
             log.debug("put of %s not sent: %r", key, e)
@@ -415,7 +410,7 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return self.fallback.flush(timeout_s)
-        got = self._call(link, timeout_s + 1.0, {"op": "flush", "timeout_s": timeout_s})
+        got = self._call(link, timeout_s + 1.0, request("flush", timeout_s=timeout_s))
         return bool(got and got[0])
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -424,7 +419,7 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return self.fallback.contains(keys)
-        got = self._call(link, self.timeout_s * 2, {"op": "contains", "keys": [str(k) for k in keys]})
+        got = self._call(link, self.timeout_s * 2, request("contains", keys))
         return [bool(c) for c in got[0]] if got is not None else [False] * len(keys)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
@@ -434,7 +429,7 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return self.fallback.delete(keys)
-        got = self._call(link, self.timeout_s * 2, {"op": "delete", "keys": [str(k) for k in keys]})
+        got = self._call(link, self.timeout_s * 2, request("delete", keys))
         return int(got[0]) if got is not None else 0
 
     def clear(self, namespace: str | None = None) -> int:
@@ -451,7 +446,7 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return 0
-        got = self._call(link, self.timeout_s * 10, {"op": "clear", "namespace": namespace})
+        got = self._call(link, self.timeout_s * 10, request("clear", namespace=namespace))
         return int(got[0]) if got is not None else 0
 
     def stats(self) -> dict:
@@ -460,7 +455,7 @@ class AgentClient:
         under ``agent.heap_trims``, objects from Redis/S3 it refused under
         ``agent.shared_rejected``), the fallback's otherwise."""
         link = self._link
-        got = self._call(link, self.timeout_s * 2, {"op": "stats"}) if link is not None else None
+        got = self._call(link, self.timeout_s * 2, request("stats")) if link is not None else None
         inner = got[0] if got is not None else self.fallback.stats()
         with self._lock:
             client = dict(self.counters)

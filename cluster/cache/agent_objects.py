@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cluster.cache.agent_ops import ObjectsAnswer, request
 from cluster.cache.arena import Arena
 from tiers.format import FormatError, parse_header
 from tiers.keys import ChunkKey
@@ -209,11 +210,11 @@ class AgentObjects:
             if free:
                 release_all()
 
-        message = {"op": "objects", "keys": [str(keys[i]) for i in order],
-                   "slots": [[slots[i].offset, slots[i].nbytes] for i in order]}
+        message = request("objects", [keys[i] for i in order],
+                          slots=[[slots[i].offset, slots[i].nbytes] for i in order])
         answer = call(message, on_done)
-        where, sizes = self._parse(answer, len(order))
-        if where is None:  # no usable answer: the slots wait for the call's end
+        parsed = self._parse(answer, len(order))
+        if parsed is None:  # no usable answer: the slots wait for the call's end
             with lock:
                 state["abandoned"] = True
                 free = state["finished"]
@@ -222,7 +223,7 @@ class AgentObjects:
             return []
         refit = []
         for j, i in enumerate(order):
-            slot, w, n = slots[i], where[j], sizes[j]
+            slot, w, n = slots[i], parsed.where[j], parsed.sizes[j]
             if w in ("host", "shared") and isinstance(n, int) and 0 < n <= slot.nbytes:
                 got[i] = self._own(keys[i], slot.view(n), shared=w == "shared")
             else:
@@ -234,29 +235,27 @@ class AgentObjects:
         return refit
 
     def _over_socket(self, keys, need: list[int], got: list, call: Call) -> None:
-        answer = call({"op": "objects", "keys": [str(keys[i]) for i in need]}, lambda _f: None)
-        where, _ = self._parse(answer, len(need))
-        if where is None:
+        answer = call(request("objects", [keys[i] for i in need]), lambda _f: None)
+        parsed = self._parse(answer, len(need))
+        if parsed is None:
             return
         it = iter(answer[1])
-        for i, w in zip(need, where, strict=True):
+        for i, w in zip(need, parsed.where, strict=True):
             if w in ("host", "shared"):
                 buf = next(it, None)
                 if buf is None:
                     return
                 got[i] = self._own(keys[i], np.frombuffer(buf, dtype=np.uint8), shared=w == "shared")
 
-    @staticmethod
-    def _parse(answer, n: int) -> tuple[list | None, list]:
-        """``(where, sizes)`` of an objects answer with ``n`` entries, or ``(None, [])``."""
-        if answer is None or not isinstance(answer[0], dict):
-            return None, []
-        where, sizes = answer[0].get("where"), answer[0].get("sizes")
-        if not isinstance(where, list) or len(where) != n:
-            return None, []
-        if not isinstance(sizes, list) or len(sizes) != n:
-            sizes = [None] * n
-        return where, sizes
+    def _parse(self, answer, n: int) -> ObjectsAnswer | None:
+        """The objects answer for ``n`` keys, or None (no answer; a malformed one is counted
+        ``read_errors``)."""
+        if answer is None:
+            return None
+        parsed = ObjectsAnswer.from_wire(answer[0], n)
+        if parsed is None:
+            self._count("read_errors", 1)
+        return parsed
 
     def _own(self, key: ChunkKey, arr: np.ndarray, *, shared: bool) -> Held | None:
         """The object and its header (the header's tag checked when a key is set)."""

@@ -45,13 +45,13 @@ import torch
 from blend.protocols import ChunkMeta, fetch_in_order
 from cluster.cache.connect import connect
 from cluster.cache.deadline import lookup_wait_s
-from cluster.cache.headers import HeaderCache, HeaderEntry
+from cluster.cache.headers import HeaderCache, HeaderEntry, own_header
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.placement import Placement
 from cluster.cache.puts import ShardWriter
 from cluster.cache.router import ShardRouter
-from tiers.codec import encode_kv, layer_tensor
-from tiers.format import ChunkHeader, FormatError, decode_layer, parse_header
+from tiers.codec import encode_kv, layer_tensor, object_layer
+from tiers.format import ChunkHeader, FormatError, parse_header
 from tiers.keys import ChunkKey
 from tiers.lower import shared_tiers
 from tiers.reader import read_header
@@ -376,34 +376,22 @@ class CacheClient:
 
     def _own_header(self, key: ChunkKey, looked_up: ChunkHeader,
                     arr: np.ndarray) -> tuple[np.ndarray, ChunkHeader] | None:
-        """``(arr, the header inside arr)``, or None (counted) when it is not the chunk the
-        lookup described. The bytes of a chunk differ between tiers (a shard restarted after
-        its host copy died promotes the lz4-compressed Redis/S3 copy), so layers are sliced
-        with the mapped object's own offsets."""
+        """``(arr, its own header)`` (:func:`cluster.cache.headers.own_header`), or None
+        (counted) when it is not the chunk the lookup described."""
         try:
-            own = parse_header(memoryview(arr), expected_key=key)
+            return arr, own_header(key, looked_up, arr)
         except FormatError as err:
             log.debug("object of %s rejected: %s", key, err)
             self._count("read_errors")
             return None
-        if (own.dtype, own.num_layers, own.layer_shape, own.positions) != (
-                looked_up.dtype, looked_up.num_layers, looked_up.layer_shape, looked_up.positions):
-            log.debug("object of %s does not match its looked-up header", key)
-            self._count("read_errors")
-            return None
-        return arr, own
 
     def _slice(self, key: ChunkKey, header: ChunkHeader, arr: np.ndarray, layer_idx: int):
-        e = header.layers[layer_idx]
-        try:
-            # a shard's host memory: authenticated as it entered (tiers.auth), XXH3 only here
-            raw = decode_layer(header, layer_idx, memoryview(arr)[e.offset:e.offset + e.stored_len],
-                               authenticate=False)
+        try:  # a shard's host memory: authenticated as it entered (tiers.auth), XXH3 only here
+            return object_layer(header, layer_idx, arr, authenticate=False).to(self.device)
         except (FormatError, ValueError) as err:
             log.debug("layer %d of %s rejected: %s", layer_idx, key, err)
             self._count("read_errors")
             return None
-        return layer_tensor(raw, header.layer_shape, header.dtype).to(self.device)
 
     def _direct_layer(self, key: ChunkKey, header: ChunkHeader, layer_idx: int):
         """One layer from the first shared tier with a valid copy (the stack checks it), or None."""
@@ -430,13 +418,21 @@ class CacheClient:
         """
         if not isinstance(key, ChunkKey):
             raise TypeError(f"put expects a ChunkKey, got {type(key).__name__}")
-        with self._lock:
-            known = key in self._meta
+        if not self._stored_or_sending(key):
+            self._writer.send(key, encode_kv(key, kv, positions, compress=False))
+
+    def put_object(self, key: ChunkKey, obj) -> None:
+        """:meth:`put` of a chunk object already encoded (the agent forwards what vLLM's
+        process encoded: it is not decoded and encoded again); the owner shard validates it."""
+        if not self._stored_or_sending(key):
+            self._writer.send(key, obj)
+
+    def _stored_or_sending(self, key: ChunkKey) -> bool:
         # known stored, or a put of it still in flight (a threaded shard may run two puts
         # of one key in either order: deduplicating here makes this client's first win)
-        if known or self._writer.in_flight(key):
-            return
-        self._writer.send(key, encode_kv(key, kv, positions, compress=False))
+        with self._lock:
+            known = key in self._meta
+        return known or self._writer.in_flight(key)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait up to ``timeout_s`` for pending puts and the shards' writes to lower tiers

@@ -10,6 +10,8 @@ drops the oldest entries until it is within a budget.
 The estimate (measured with ``tracemalloc`` on CPython 3.11, 32 layers, 256 tokens:
 ~8.6 KB per parsed header with one run, +77 B per further run, ~40 B per position) errs
 high; it is a bound for eviction, not an accounting.
+
+:func:`own_header` checks the header inside a mapped object against the one a lookup returned.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from tiers.format import ChunkHeader
+from tiers.format import ChunkHeader, FormatError, parse_header
 
 #: the entry, its header object, the key strings and the ordered-dict slot
 HEADER_OVERHEAD_BYTES = 1024
@@ -105,3 +107,20 @@ class HeaderEntry:
         if self._positions is None:
             self._positions = tuple(self.header.position_list())
         return self._positions
+
+
+def own_header(key, looked_up: ChunkHeader, obj) -> ChunkHeader:
+    """The header inside the mapped object ``obj`` of ``key``, checked against the one a lookup
+    returned. The bytes of a chunk differ between tiers (a shard restarted after its host copy
+    died promotes the lz4-compressed Redis/S3 copy), so layers are sliced with the object's
+    own offsets; what it describes must be the same chunk.
+
+    Raises:
+        FormatError: the object's header does not parse as ``key``'s, or describes another
+            dtype, layer count, layer shape or positions than ``looked_up``.
+    """
+    own = parse_header(memoryview(obj), expected_key=key)
+    if (own.dtype, own.num_layers, own.layer_shape, own.positions) != (
+            looked_up.dtype, looked_up.num_layers, looked_up.layer_shape, looked_up.positions):
+        raise FormatError(f"object of {key} does not match its looked-up header")
+    return own

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from cluster.cache.agent import Agent
+from cluster.cache.agent_ops import request
 from cluster.cache.wire import recv_frame
 from cluster.heap import HeapTrimmer
 from tests.factories import make_key
+from tiers.codec import encode_kv
 
 pytestmark = pytest.mark.unit
 
@@ -24,8 +26,8 @@ class _Client:
     def __init__(self):
         self.puts = []
 
-    def put(self, key, kv, positions):
-        self.puts.append((key, kv.clone(), positions))
+    def put_object(self, key, obj):
+        self.puts.append((key, bytes(obj)))
 
     def lookup(self, keys):
         return [None] * len(keys)
@@ -63,19 +65,19 @@ def agent():
 
 
 def _put_frame(i: int):
-    kv = torch.full((2, 2, 4, 1, 8), float(i), dtype=torch.float16)
-    message = {"id": i, "op": "put", "keys": [str(make_key(4100 + i))], "dtype": "float16",
-               "shape": list(kv.shape), "positions": list(range(4))}
-    return message, [bytearray(kv.numpy().tobytes())], kv
+    """A put frame as the vLLM side sends it: one chunk object, encoded there."""
+    key = make_key(4100 + i)
+    obj = encode_kv(key, torch.full((2, 2, 4, 1, 8), float(i), dtype=torch.float16))
+    return {"id": i, **request("put", [key])}, [bytearray(obj)], obj
 
 
 def test_a_put_frees_its_buffer_and_asks_for_a_trim(agent):
     a, peer, trims, timers, now = agent
-    message, buffers, kv = _put_frame(1)
+    message, buffers, obj = _put_frame(1)
     a.answer(message, buffers)
     reply, _ = recv_frame(peer)
     assert reply == {"id": 1, "ok": True, "result": None}
-    assert torch.equal(a.client.puts[0][1], kv)
+    assert a.client.puts[0] == (make_key(4101), obj), "forwarded as encoded: not decoded, not re-encoded"
     assert buffers == [], "the frame's buffer is released before the trim, not when the pool drops the call"
     assert trims == [0] and a.heap_trims == 1
 
@@ -105,10 +107,10 @@ def test_lookups_do_not_trim_and_stats_report_the_trims(agent):
 def test_a_failed_put_still_frees_its_buffer_and_trims(agent):
     a, peer, trims, _, _ = agent
 
-    def broken_put(key, kv, positions):
+    def broken_put(key, obj):
         raise MemoryError("object store full")
 
-    a.client.put = broken_put
+    a.client.put_object = broken_put
     message, buffers, _ = _put_frame(11)
     a.answer(message, buffers)
     reply, _ = recv_frame(peer)

@@ -211,5 +211,5 @@ def test_the_agent_writes_objects_into_named_slots_and_says_refit_or_refuses():
     s1, s2 = arena.reserve(ALIGN), arena.reserve(ALIGN)
     got = a.objects_into_arena(keys, [[s1.offset, s1.nbytes], [s2.offset, s2.nbytes],
                                       [arena.nbytes - 10, ALIGN]])
-    assert got == {"where": ["host", "refit", None], "sizes": [100, 9000, None]}
+    assert got.to_wire() == {"where": ["host", "refit", None], "sizes": [100, 9000, None]}
     assert bytes(s1.view(100)) == small and a.arena_refused == 1

@@ -34,6 +34,7 @@ class _ArenaLink:
         self.writer = ArenaWriter(os.dup(arena.fd), arena.nbytes)
 
     def call(self, message, buffers=()):
+        from cluster.cache.agent_ops import LookupHit
         from tiers.format import parse_header, positions_to_runs
 
         fut = Future()
@@ -41,7 +42,8 @@ class _ArenaLink:
             out = []
             for k in message["keys"]:
                 h = parse_header(self.objects[k])
-                out.append([h.num_tokens, positions_to_runs(h.position_list()), "host", len(self.objects[k])])
+                runs = tuple(map(tuple, positions_to_runs(h.position_list())))
+                out.append(LookupHit(h.num_tokens, runs, "host", len(self.objects[k])).to_wire())
             fut.set_result((out, []))
         else:
             sizes = [self.writer.write(off, cap, self.objects[k])
