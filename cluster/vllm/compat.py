@@ -290,7 +290,9 @@ def mark_no_prefix_read(request: Request) -> bool:
     storing such requests). The change is to ``request.kv_transfer_params`` (a copy: the
     caller's ``SamplingParams`` are left alone), the per-request dict vLLM gives connectors.
     """
-    if not getattr(request, "skip_reading_prefix_cache", False):
+    # 0.34 renamed the flag skip_reading_external_kv (read from its wheel, not run)
+    if not (getattr(request, "skip_reading_prefix_cache", False)
+            or getattr(request, "skip_reading_external_kv", False)):
         return False
     params = getattr(request, "kv_transfer_params", None) or {}
     if params.get("kvblend_load", True) is not False:
