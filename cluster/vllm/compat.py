@@ -22,7 +22,7 @@ sliding-window attention shorter than the model's length.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -277,6 +277,14 @@ def refuse_unsupported(model_config: Any, kv_cache_config: KVCacheConfig | None,
     if role == KVConnectorRole.SCHEDULER:
         log.warning("kvblend: %s; the connector stays idle", reason)
     return True
+
+
+def resumed_req_ids(cached) -> Container[str]:
+    """The ids a step's ``scheduled_cached_reqs`` names as resumed (their block lists start
+    over). vLLM 0.32 and 0.33 name them in ``CachedRequestData.resumed_req_ids``; 0.34 dropped
+    the field and sends resumed requests in ``scheduled_new_reqs`` instead (read from its
+    wheel, not run), so there it is empty."""
+    return getattr(cached, "resumed_req_ids", None) or ()
 
 
 def mark_no_prefix_read(request: Request) -> bool:

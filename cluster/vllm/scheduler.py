@@ -52,7 +52,7 @@ from blend.segments import (
     special_tokens_around,
     standalone_span,
 )
-from cluster.vllm import paged
+from cluster.vllm import compat, paged
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
@@ -458,15 +458,12 @@ class KVBlendScheduler:
             scheduled.append((new_req.req_id, list(new_req.block_ids[0]),
                               new_req.num_computed_tokens + n_sched, True))
         cached = scheduler_output.scheduled_cached_reqs
-        # vLLM 0.32/0.33 name resumed requests here; 0.34 dropped the field and sends them as
-        # scheduled_new_reqs with their whole block list (read from its wheel)
-        resumed_ids = getattr(cached, "resumed_req_ids", ())
         for i, rid in enumerate(cached.req_ids):
             state = self._requests.get(rid)
             if state is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            resumed = rid in resumed_ids
+            resumed = rid in compat.resumed_req_ids(cached)
             if new_blocks is not None:
                 state.block_ids = list(new_blocks[0]) if resumed else state.block_ids + list(new_blocks[0])
             n_sched = scheduler_output.num_scheduled_tokens.get(rid, 0)
