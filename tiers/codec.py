@@ -67,8 +67,9 @@ def object_layer(header: ChunkHeader, layer_idx: int, obj, *, authenticate: bool
             S3); False for bytes that were authenticated as they entered host memory.
 
     Returns:
-        ``[2, T, H, D]`` in the stored dtype on the CPU, in memory of its own (one copy: the
-        object serves later requests, and the engine may write into what it gets).
+        ``[2, T, H, D]`` in the stored dtype on the CPU, in memory of its own (one copy of a
+        raw layer, a decompression and a copy of an lz4 one: the object serves later requests,
+        and the engine may write into what it gets).
 
     Raises:
         FormatError: a length or checksum mismatch, an lz4 stream that does not decode;

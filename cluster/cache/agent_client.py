@@ -278,6 +278,8 @@ class AgentClient:
             return self.fallback.lookup(keys)
         got = self._call(link, self.lookup_wait_s + 0.25, request("lookup", keys))
         answers = got[0] if got is not None and isinstance(got[0], list) else []
+        if got is not None and not isinstance(got[0], list):
+            self._count("agent_errors")  # a malformed answer: every key a miss
         out: list[ChunkMeta | None] = [None] * len(keys)
         for i, value in enumerate(answers[:len(keys)]):
             hit = None if value is None else LookupHit.from_wire(value)

@@ -113,7 +113,9 @@ class LookupHit:
             hit = cls(_int(value["tokens"]), runs, str(value["tier"]), _int(value["bound"]))
         except (TypeError, KeyError, ValueError):
             return None
-        if hit.num_tokens != sum(n for _, n in runs) or min((n for _, n in runs), default=1) < 1:
+        if not isinstance(value["tier"], str) or hit.object_bound < 0:
+            return None
+        if hit.num_tokens != sum(n for _, n in runs) or any(s < 0 or n < 1 for s, n in runs):
             return None
         return hit
 

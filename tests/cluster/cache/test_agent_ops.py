@@ -51,6 +51,7 @@ def test_lookup_hits_round_trip_and_malformed_ones_are_misses():
     wire = hit.to_wire()
     for bad in (None, [6, [[0, 6]], "host", 1], {**wire, "tokens": 7}, {**wire, "tokens": True},
                 {**wire, "runs": [[0, 0], [0, 6]]}, {**wire, "runs": "0-6"}, {**wire, "bound": "big"},
+                {**wire, "runs": [[-1, 6]]}, {**wire, "bound": -1}, {**wire, "tier": 3},
                 {k: v for k, v in wire.items() if k != "tier"}):
         assert LookupHit.from_wire(bad) is None, bad
 
