@@ -39,6 +39,8 @@ class ClusterConfig:
     ray_address: str = _f(
         "auto", "Ray cluster to join: 'auto' (a running local cluster or $RAY_ADDRESS), 'local' (start one in-process), or host:port")
     ray_namespace: str = _f("kvblend", "Ray namespace of the shard actors")
+    head_port: int = _f(
+        6390, "GCS port of a Ray head that `kvblend server` starts (`--port`): fixed, so a restarted head keeps its address and connectors pinned to host:port find it again (not 6379: kvblend's Redis tier may listen there)", (1, 65535))
     shard_resource: str = _f(
         "kvblend_shard", "custom Ray resource a node advertises to host cache shards ('' = every node)")
     shards_per_node: int = _f(1, "shard actors per cache node", (1, 64))

@@ -23,7 +23,8 @@ So a test that starts a process is marked so: by any lane but ``unit``.
 * per module: a fresh ``RAY_TMPDIR`` (a module's heads and its ``auto`` are its own),
   ``os.environ`` restored at its end, and no Ray driver left connected (a leak fails the module
   instead of being tidied away);
-* per test: ``os.environ`` as it was before the test, and a fresh ``KVBLEND_DISK_PATH``.
+* per test: ``os.environ`` as it was before the test, a fresh ``KVBLEND_DISK_PATH`` and a free
+  ``KVBLEND_HEAD_PORT`` (the port of a head ``kvblend server`` starts).
 
 Services (redis-server, the S3 endpoint) are started by fixtures in ``tests/services.py`` (a
 plugin of this conftest); Ray clusters by ``tests/cluster/conftest.py``; vLLM engines by
@@ -203,9 +204,13 @@ def _module_isolation():
 @pytest.fixture(autouse=True)
 def _test_isolation(tmp_path_factory):
     """``os.environ`` restored after the test; a fresh ``KVBLEND_DISK_PATH`` (the machine-local
-    disk cache of clients built without Ray) for it."""
+    disk cache of clients built without Ray) and a free ``KVBLEND_HEAD_PORT`` for it."""
+    from cluster.workloads.services import free_port
+
     saved = dict(os.environ)
     os.environ["KVBLEND_DISK_PATH"] = str(tmp_path_factory.mktemp("disk", numbered=True))
+    # a head `kvblend server` starts listens on a free port, never the machine's fixed 6390
+    os.environ["KVBLEND_HEAD_PORT"] = str(free_port())
     yield
     os.environ.clear()
     os.environ.update(saved)

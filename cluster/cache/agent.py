@@ -11,8 +11,9 @@ counted) and starts a new one once the head answers again.
 
 Run by :class:`AgentClient` only, as ``python -I -c <boot> <package root> <socket fd>``
 (:func:`main`). The first frame is ``{"op": "hello", "config": {field: value}, "namespace":
-digest, "io_timeout_s"}``; the answer is ``{"ok": true, "pid", "shards"}``, or ``{"ok": false,
-"why"}`` and exit (Ray unreachable, no shards). Then every request ``{"id", "op", ...}`` gets
+digest, "io_timeout_s", "shards_wait_s"}``; the answer is ``{"ok": true, "pid", "shards"}``, or
+``{"ok": false, "why"}`` and exit (Ray unreachable, or no shards registered within
+``shards_wait_s``, at most :data:`SHARDS_WAIT_MAX_S`). Then every request ``{"id", "op", ...}`` gets
 one answer ``{"id", "ok", "result"}`` (or ``"error"``), computed on one of :data:`WORKERS`
 threads so a slow fetch never delays a lookup, and a heartbeat ``{"beat": n}`` goes out every
 :data:`cluster.cache.wire.BEAT_S` (the client takes silence for a stuck agent). End of stream
@@ -44,6 +45,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.cache.agent_ops import OPS, LookupHit, ObjectsAnswer
@@ -66,6 +68,9 @@ log = logging.getLogger("kvblend.agent")
 WORKERS = 8
 #: seconds the agent waits for its hello frame
 HELLO_TIMEOUT_S = 60.0
+#: the longest wait for shards a hello may ask (``shards_wait_s``) and how often it looks, s
+SHARDS_WAIT_MAX_S = 60.0
+SHARDS_POLL_S = 0.5
 
 
 def _all_cpus() -> None:
@@ -138,6 +143,12 @@ class Agent:
                 self.send({"ok": False, "why": f"Ray is not reachable at {config.cluster.ray_address!r}"})
                 return False
             shards = shard_names(config.cluster.ray_namespace)
+            wait_s = message.get("shards_wait_s")
+            deadline = time.monotonic() + (min(float(wait_s), SHARDS_WAIT_MAX_S)
+                                           if isinstance(wait_s, (int, float)) and wait_s > 0 else 0.0)
+            while not shards and time.monotonic() < deadline:  # a restarted head, shards coming
+                time.sleep(SHARDS_POLL_S)
+                shards = shard_names(config.cluster.ray_namespace)
             if not shards:
                 self.send({"ok": False, "why": f"no cache shards in Ray namespace {config.cluster.ray_namespace!r}"})
                 return False

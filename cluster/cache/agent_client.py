@@ -37,9 +37,12 @@ working directory never on its ``sys.path``). Back-off doubles with every agent 
 
 While the agent is down (never started, Ray killed it, it crashed, it was stuck), every call goes to
 ``fallback`` (the ``local_fallback`` client: machine-local disk, memory, or nothing), counted
-in ``agent_down_calls``; the next call after ``backoff`` seconds (1 s doubling to 30 s) probes
-the Ray address with one TCP connect (no Ray import) and, when it answers, starts a new agent
-on a background thread. One log line per state change (up, down).
+in ``agent_down_calls``; the next call after ``backoff`` seconds probes the Ray address with one
+TCP connect (no Ray import) and, when it answers, starts a new agent on a background thread.
+An unreachable address is probed again a second later (so a head restarted on its address,
+``kvblend server --port``, is found at once); an agent that started and failed doubles the
+back-off (1 s to 30 s). An agent started in the background (not the constructor's, which vLLM's
+start-up waits for) waits up to :data:`SHARDS_WAIT_S` for shards to be registered. One log line per state change (up, down).
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ BACKOFF_S = (1.0, 30.0)
 MAX_OBJECT_BYTES = MAX_BUFFER_BYTES
 #: seconds an agent must have served for its loss to start the back-off over
 HEALTHY_S = 60.0
+#: seconds an agent started in the background waits for shards to be registered (a restarted
+#: head answers before `kvblend server` has created them again)
+SHARDS_WAIT_S = 15.0
 
 
 def link_timeouts(config) -> tuple[float, float]:
@@ -160,15 +166,17 @@ class AgentClient:
             address = _auto_address()
         return address if address and _probe(address) else None
 
-    def _start(self, timeout_s: float) -> None:
-        """Start an agent and wait for its hello answer (up to ``timeout_s``); on failure
-        schedule the next attempt with back-off. Never raises."""
-        why, link = None, None
+    def _start(self, timeout_s: float, shards_wait_s: float = 0.0) -> None:
+        """Start an agent and wait for its hello answer (up to ``timeout_s``; the agent waits up
+        to ``shards_wait_s`` of it for shards to be registered); on failure schedule the next
+        attempt (see the module docstring). Never raises."""
+        why, link, reachable = None, None, True
         try:
             if self._address() is None:
+                reachable = False
                 why = f"Ray is not reachable at ray_address={self.config.cluster.ray_address!r}"
             else:
-                link, why = self._spawn(timeout_s)
+                link, why = self._spawn(timeout_s, shards_wait_s)
         except Exception as e:  # noqa: BLE001 - a failed start is a fallback, never an error
             why = f"{type(e).__name__}: {e}"
         with self._lock:
@@ -176,7 +184,12 @@ class AgentClient:
             if link is not None and not self._closed:
                 self._link, self._link_since = link, time.monotonic()
                 self.counters["agent_starts"] += 1
-            else:
+            elif not reachable:
+                # one TCP connect per BACKOFF_S[0] costs nothing: a head back on its address is
+                # found within a second of the next call, and the back-off starts over
+                self._next_start = time.monotonic() + BACKOFF_S[0]
+                self._backoff = BACKOFF_S[0]
+            else:  # an agent started and failed (no shards, auth, ...): a process each time
                 self._next_start = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, BACKOFF_S[1])
         if link is not None and self._closed:
@@ -198,8 +211,9 @@ class AgentClient:
         else:
             log.debug("%s", message)
 
-    def _spawn(self, timeout_s: float) -> tuple[AgentLink | None, str]:
-        hello = {"op": "hello", "config": self.config.as_flat_dict(), "namespace": self.namespace}
+    def _spawn(self, timeout_s: float, shards_wait_s: float) -> tuple[AgentLink | None, str]:
+        hello = {"op": "hello", "config": self.config.as_flat_dict(), "namespace": self.namespace,
+                 "shards_wait_s": shards_wait_s}
         arena = self.objects.new_arena(self.arena_bytes)  # each agent a fresh one
         if arena is not None:
             hello["arena"] = {"fd": arena.fd, "bytes": arena.nbytes}
@@ -242,7 +256,7 @@ class AgentClient:
                 self._starting = True
             self.counters["agent_down_calls"] += 1
         if start:
-            threading.Thread(target=self._start, args=(AGENT_START_TIMEOUT_S,),
+            threading.Thread(target=self._start, args=(AGENT_START_TIMEOUT_S + SHARDS_WAIT_S, SHARDS_WAIT_S),
                              name="kvblend-agent-start", daemon=True).start()
         return None
 

@@ -8,6 +8,7 @@ The analogue of ``lmcache server --l1-size-gb 20 --eviction-policy LRU --engine-
                                         # the detached shard actors keep running)
     kvblend server --address local      # always start a new head here
     kvblend server --address HOST:PORT  # join that cluster
+    kvblend server --port 6391          # a head started here listens there (default 6390)
     kvblend server --block              # start Ray inside this process and serve until
                                         # SIGINT/SIGTERM, then shut that Ray down
 
@@ -15,6 +16,11 @@ Settings come from :func:`cluster.config.load_config` (defaults < YAML < environ
 flags). Re-running it is safe: shards are created with ``get_if_exists`` (nodes that joined
 since get their shards; existing ones are untouched). ``--block`` also re-checks every
 :data:`RESCAN_S` seconds for new cache nodes (autoscaling).
+
+Address (issue 35): a head started here listens on ``head_port`` (``--port``, default 6390, not
+Redis's 6379), so a head restarted on this machine keeps its address and a connector on another
+machine configured with ``ray_address=HOST:6390`` finds it again. A port already taken is an
+error that names it; ``--block`` runs Ray inside this process, on a port Ray picks.
 
 Ray token authentication (issue 19): a head started here requires Ray's token
 (:mod:`cluster.cli.ray_auth`: created when none exists; ``--no-auth`` says loudly what it
@@ -36,6 +42,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -67,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deployment default: connectors blend, or reuse prefixes only")
     p.add_argument("--shards-per-node", type=int, help="shard actors per cache node")
     p.add_argument("--object-store-gib", type=float, help="Ray object store of a head started here, GiB")
+    p.add_argument("--port", type=int, dest="head_port",
+                   help="GCS port of a head started here (default: config head_port, 6390); connectors on "
+                        "other machines use ray_address=HOST:PORT")
     p.add_argument("--dashboard-port", type=int, default=None, help="Ray dashboard port of a head started here")
     p.add_argument("--ray-client-server-port", type=int, default=None,
                    help="Ray Client server port of a head started here (Ray's default 10001)")
@@ -84,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FLAG_FIELDS = ("host_size_gib", "disk_path", "disk_size_gib", "redis_url", "s3_url", "s3_endpoint_url",
-                "eviction_policy", "engine_type", "shards_per_node", "object_store_gib")
+                "eviction_policy", "engine_type", "shards_per_node", "object_store_gib", "head_port")
 
 
 def _start_head(cfg, args) -> tuple[str, str | None]:
@@ -92,11 +102,11 @@ def _start_head(cfg, args) -> tuple[str, str | None]:
     (:mod:`cluster.cli.ray_auth`); returns the GCS address and where the token is (None with
     ``--no-auth``)."""
     from cluster.cli.ray_auth import head_env
-    from cluster.workloads.services import free_port
 
     ray_exe = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
-    port = free_port()
     c = cfg.cluster
+    port = c.head_port
+    check_port_free(port)
     cmd = [ray_exe, "start", "--head", f"--port={port}",
            f"--object-store-memory={int(c.object_store_gib * 2**30)}",
            f"--resources={json.dumps({c.shard_resource: float(c.shards_per_node)} if c.shard_resource else {})}",
@@ -115,6 +125,30 @@ def _start_head(cfg, args) -> tuple[str, str | None]:
     if done.returncode != 0:
         raise RuntimeError(f"`ray start --head` failed ({done.returncode}): {done.stderr[-2000:]}")
     return f"127.0.0.1:{port}", token_where
+
+
+def check_port_free(port: int) -> None:
+    """Raise when TCP ``port`` cannot be bound on this machine (Ray's GCS binds every address).
+
+    Raises:
+        PortTaken: another process (a Ray head of another temp dir, a Redis, ...) holds it;
+            the message names the port and the two ways on.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as gRPC's listener does: connections of a head just ended (TIME_WAIT) do not hold the
+        # port, a process listening there does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise PortTaken(
+                f"port {port} is taken ({e.strerror or e}): a Ray head there is joined with "
+                f"`kvblend server --address 127.0.0.1:{port}`; start a new head on another port with "
+                f"`kvblend server --port PORT` (and give connectors ray_address=HOST:PORT)") from None
+
+
+class PortTaken(RuntimeError):
+    """The head's port is held by another process (:func:`check_port_free`)."""
 
 
 def read_url_file(path: str) -> str:
@@ -146,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["redis_url"] = read_url_file(args.redis_url_file)
     if args.block and "ray_address" not in overrides:
         overrides["ray_address"] = "local"
+    if args.block and getattr(args, "head_port", None) is not None:
+        print("kvblend: --port applies to a head started by `ray start`; --block runs Ray in this process "
+              "on a port Ray picks", file=sys.stderr)
+        return 2
     cfg = load_config(args.config, overrides=overrides)
     c = cfg.cluster
     needed_gib = cfg.tiers.host_size_gib * c.shards_per_node + STORE_HEADROOM_GIB
@@ -180,7 +218,11 @@ def run(args: argparse.Namespace) -> int:
             if c.ray_address not in ("auto", "local"):
                 print(f"kvblend: cannot reach Ray at {c.ray_address!r}", file=sys.stderr)
                 return 1
-            address, token_where = _start_head(cfg, args)
+            try:
+                address, token_where = _start_head(cfg, args)
+            except PortTaken as e:
+                print(f"kvblend: {e}", file=sys.stderr)
+                return 1
             cfg = load_config(args.config, overrides={**overrides, "ray_address": address})
             c = cfg.cluster
             if connect(c) is None:

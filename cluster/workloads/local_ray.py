@@ -67,8 +67,9 @@ class LocalRay:
         self.temp_dir = tempfile.mkdtemp(prefix="kvbray-", dir="/tmp")
 
     def start(self, timeout_s: float = 600.0) -> LocalRay:
-        """Run ``kvblend server --address local --temp-dir DIR`` (free ports for the dashboard,
-        unless ``--no-dashboard`` or ``--dashboard-port`` is given, and the Ray Client server);
+        """Run ``kvblend server --address local --temp-dir DIR`` (free ports for the head's GCS
+        unless ``--port`` is given, the dashboard unless ``--no-dashboard`` or ``--dashboard-port``
+        is, and the Ray Client server);
         sets :attr:`address`, :attr:`dashboard_url` ("" without one), :attr:`shards`, and
         ``RAY_ADDRESS`` and ``KVBLEND_RAY_ADDRESS`` in :attr:`env`.
 
@@ -77,6 +78,8 @@ class LocalRay:
             subprocess.TimeoutExpired: it ran past ``timeout_s``.
         """
         ports = ["--ray-client-server-port", str(free_port())]
+        if "--port" not in self.server_args:  # a private head: never the machine's fixed port
+            ports += ["--port", str(free_port())]
         if not {"--no-dashboard", "--dashboard-port"} & set(self.server_args):
             ports += ["--dashboard-port", str(free_port())]
         r = kvblend_cli("server", "--address", "local", "--temp-dir", self.temp_dir, *ports, *self.server_args,

@@ -1,9 +1,10 @@
 """A lost Ray head never ends vLLM (issue 18): `vllm serve` with the connector keeps serving
 (full prefill) while the head is gone for longer than Ray's GCS reconnect timeout, and its
-chunks hit again once the head and the shards are back.
+chunks hit again once the head and the shards are back (issue 35: the connector is pinned to
+``host:port`` and `kvblend server --port` starts the head again on that same address).
 
-Real parts: a Ray head started by `ray start --head` on a private port and temp dir, shards
-by `kvblend server --address`, passages stored by `kvblend ingest`, `vllm serve` on the CPU.
+Real parts: a Ray head and its shards started by `kvblend server --address local --port PORT`
+on a private port and temp dir, passages stored by `kvblend ingest`, `vllm serve` on the CPU.
 Every Ray process of this test gets ``RAY_gcs_rpc_server_reconnect_timeout_s=5`` (the default
 is 60 s): a Ray driver inside vLLM's engine (``ray_client=driver``) would be ended by Ray
 5 s after the head went away; with the cache agent only the agent is.
@@ -28,12 +29,15 @@ GCS_TIMEOUT_S = 5
 HANG_S = 300  # the only timing: a hang guard
 
 
-def _ray_start(port: int, temp_dir: str, env: dict) -> None:
-    r = subprocess.run([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1",
-                        '--resources={"kvblend_shard": 1}', f"--temp-dir={temp_dir}",
-                        "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory=300000000"],
+def _kvblend_server(port: int, temp_dir: str, env: dict) -> None:
+    """`kvblend server` starting a head on ``port`` (its fixed address) with its shards."""
+    from cluster.workloads.services import free_port
+
+    r = subprocess.run([str(BIN / "kvblend"), "server", "--address", "local", "--port", str(port),
+                        "--temp-dir", temp_dir, "--no-dashboard", "--ray-client-server-port", str(free_port())],
                        env=env, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["address"].endswith(f":{port}")
 
 
 def _kill_head(temp_dir: str) -> int:
@@ -74,12 +78,9 @@ def test_vllm_outlives_a_lost_ray_head(smollm2_path, tmp_path):
                 "KVBLEND_RAY_ADDRESS": f"127.0.0.1:{ray_port}", "KVBLEND_RAY_NAMESPACE": "kvblend-headloss",
                 "KVBLEND_DISK_PATH": str(tmp_path / "disk"), "KVBLEND_DISK_SIZE_GIB": "1",
                 "KVBLEND_HOST_SIZE_GIB": "0.2", "KVBLEND_LOCAL_FALLBACK": "off", "KVBLEND_NODE_NAME": "headloss"})
-    server = [str(BIN / "kvblend"), "server", "--address", f"127.0.0.1:{ray_port}"]
-    _ray_start(ray_port, temp_dir, env)
     stack = contextlib.ExitStack()  # the vLLM server, once started
     try:
-        r = subprocess.run(server, env=env, capture_output=True, text=True, timeout=HANG_S)
-        assert r.returncode == 0, r.stdout + r.stderr
+        _kvblend_server(ray_port, temp_dir, env)
         ex = load_examples(resolve_dataset("wikimqa"), limit=1)[0]
         passages = list(ex.passages[:3])
         corpus = tmp_path / "corpus.jsonl"
@@ -123,17 +124,19 @@ def test_vllm_outlives_a_lost_ray_head(smollm2_path, tmp_path):
             assert got == 0 and answer, "served by full prefill while the head is gone"
         assert serve.poll() is None and _engine_pids(serve) >= pids, "vLLM's processes are the same"
 
-        # the head and the shards come back (same node name: the shard finds its disk chunks)
-        _ray_start(ray_port, temp_dir, env)
-        r = subprocess.run(server, env=env, capture_output=True, text=True, timeout=HANG_S)
-        assert r.returncode == 0, r.stdout + r.stderr
+        # the head and the shards come back on the same address (same node name: the shard
+        # finds its disk chunks); the connector, pinned to host:port, finds them there
+        _kvblend_server(ray_port, temp_dir, env)
+        back = time.monotonic()
         deadline = time.time() + HANG_S
         while True:
             got, _ = ask([1, 0, 2], ex.question)
             if got >= 3:  # the ingested passages (and the chat head the first request stored)
                 break
             assert time.time() < deadline, "hits never resumed:\n" + log_path.read_text()[-3000:]
-            time.sleep(3)
+            time.sleep(1)
+        # reported, not asserted (timings are not tests here): issue 35 asks for <= 10 s
+        print(f"hits resumed {time.monotonic() - back:.1f} s after `kvblend server` was back")
         assert serve.poll() is None and _engine_pids(serve) >= pids
         log = log_path.read_text()
         assert "cache agent" in log and "exited" in log

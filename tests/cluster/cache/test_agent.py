@@ -215,7 +215,7 @@ def test_a_cluster_folder_in_the_working_directory_is_not_run_as_the_agent(tmp_p
     client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
     try:
         assert not client.up  # nothing listens: no agent was started by the constructor
-        link, why = client._spawn(60.0)  # start one by hand: the real agent says Ray is unreachable
+        link, why = client._spawn(60.0, 0.0)  # start one by hand: the real agent says Ray is unreachable
         assert link is None and "not reachable" in why, why
         assert not marker.exists(), "the working directory's cluster/ package ran as the agent"
     finally:

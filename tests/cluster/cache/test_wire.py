@@ -199,10 +199,60 @@ def test_a_link_lost_before_its_client_stored_it_is_not_kept_as_live(monkeypatch
         assert returns_within(lambda: [link.closed or threading.Event().wait(0.05) for _ in range(200)]
                               and link.closed, hang_s=30)
         monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
-        monkeypatch.setattr(client, "_spawn", lambda timeout_s: (link, "1 shard(s)"))
+        monkeypatch.setattr(client, "_spawn", lambda timeout_s, shards_wait_s: (link, "1 shard(s)"))
         client._start(5.0)
         assert not client.up and client.counters["agent_exits"] == 1
         assert client.lookup([make_key(1)]) == [None]  # the fallback answers
+    finally:
+        monkeypatch.undo()
+        client.close()
+
+
+def test_an_unreachable_head_is_probed_every_second_and_a_failed_agent_backs_off(monkeypatch):
+    """Issue 35: while the Ray address does not answer, the next start comes BACKOFF_S[0] after
+    the last probe (a TCP connect each), so a head restarted on its fixed port is found within a
+    second of the next call; agents that start and fail (no shards, ...) double the back-off up
+    to BACKOFF_S[1], and an unreachable address starts it over. Background starts ask the agent
+    to wait for shards; the constructor's start (vLLM's start-up waits for it) does not."""
+    import time
+
+    from cluster.cache import agent_client
+    from cluster.cache.agent_client import BACKOFF_S, SHARDS_WAIT_S, AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+    from tests.factories import NAMESPACE
+
+    cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
+    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())  # 127.0.0.1:1 refuses: no spawn
+    try:
+        def wait_after_start() -> float:
+            return client._next_start - time.monotonic()
+
+        assert not client.up and 0 < wait_after_start() <= BACKOFF_S[0]
+        for _ in range(3):  # still down: a probe a second, never more
+            client._start(5.0)
+            assert 0 < wait_after_start() <= BACKOFF_S[0]
+        asked = []
+        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
+        monkeypatch.setattr(client, "_spawn", lambda timeout_s, shards_wait_s: (
+            asked.append(shards_wait_s), (None, "no cache shards"))[1])
+        waits = []
+        for _ in range(7):
+            client._start(5.0)
+            waits.append(wait_after_start())
+        assert waits[0] <= BACKOFF_S[0] and all(b > a for a, b in zip(waits[:4], waits[1:5], strict=True))
+        assert max(waits) <= BACKOFF_S[1] and waits[-1] > BACKOFF_S[1] / 2
+        monkeypatch.setattr(client, "_address", lambda: None)
+        client._start(5.0)
+        assert 0 < wait_after_start() <= BACKOFF_S[0] and client._backoff == BACKOFF_S[0]
+
+        # a call while down starts the next agent in the background, asking it to wait for shards
+        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
+        client._next_start = 0.0
+        asked.clear()
+        assert client._agent() is None
+        assert returns_within(lambda: [asked or time.sleep(0.05) for _ in range(400)] and asked, hang_s=30)
+        assert asked == [SHARDS_WAIT_S] and agent_client.SHARDS_WAIT_S > 0
     finally:
         monkeypatch.undo()
         client.close()
