@@ -19,7 +19,8 @@ log = logging.getLogger("kvblend.ingest")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True,
-                   help="JSONL corpus: {id, question, passages, answers} rows, or one passage per line")
+                   help="JSONL corpus: {\"passages\": [...]} rows (id, question and answers optional), "
+                        "or one passage per line (a JSON string or {\"text\": ...})")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--model", default=None,
                    help="model as vLLM is given it: bundled name, folder or Hugging Face Hub id found in "
@@ -147,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
     config = load_config(args.config, overrides=overrides)
+    # the corpus first: a malformed row is an error before a model is loaded
+    passages = unique_passages(load_examples(args.data, limit=args.limit, questions=False))
     from cluster.workloads.replicas import default_dtype
 
     args.dtype = args.dtype or default_dtype()
@@ -157,8 +160,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"namespace {namespace.digest()} (model {namespace.model_id}, dtype {args.dtype}, "
           f"overrides {namespace.overrides or 'none'}, quantization {namespace.quantization or 'none'})",
           flush=True)
-    rows = load_examples(args.data, limit=args.limit)
-    passages = unique_passages(rows)
     engine, tokenizer = build_engine(model_path, args.dtype, args.hf_overrides)
     client = make_client(config, namespace.digest())
     report = ingest_passages(passages, engine, tokenizer, client, namespace.digest(),

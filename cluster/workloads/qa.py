@@ -46,8 +46,12 @@ def resolve_dataset(name_or_path: str, data_dir: str | None = None) -> str:
     raise ValueError(f"dataset {name_or_path!r} ({fname}) not found in {candidates}; pass --dataset PATH")
 
 
-def load_examples(path: str, limit: int | None = None) -> list[QAExample]:
+def load_examples(path: str, limit: int | None = None, *, questions: bool = True) -> list[QAExample]:
     """Read a ``*.norm.jsonl`` file (or plain passages: one JSON string or {"text"} per line).
+
+    Args:
+        questions: whether a ``{"passages": [...]}`` row must have a ``question`` (benchmarks
+            ask it); ``False`` for a knowledge base (``kvblend ingest``): its question is "".
 
     Raises:
         ValueError: a line that is not JSON or lacks the fields, naming the line number.
@@ -63,8 +67,14 @@ def load_examples(path: str, limit: int | None = None) -> list[QAExample]:
                 raise ValueError(f"{path}:{i}: not JSON: {e}") from None
             if isinstance(row, str):
                 row = {"id": f"p{i}", "question": "", "passages": [row], "answers": []}
+            elif not isinstance(row, dict):
+                raise ValueError(f"{path}:{i}: expected a JSON object or string, got {type(row).__name__}")
             elif "text" in row and "passages" not in row:
                 row = {"id": row.get("id", f"p{i}"), "question": "", "passages": [row["text"]], "answers": []}
+            if not questions:
+                row.setdefault("question", "")
+            if not isinstance(row.get("passages", []), list):
+                raise ValueError(f"{path}:{i}: passages must be a list of strings")
             try:
                 out.append(QAExample(str(row.get("id", i)), str(row["question"]),
                                      tuple(map(str, row["passages"])), tuple(map(str, row.get("answers", [])))))
