@@ -36,13 +36,13 @@ working directory never on its ``sys.path``). Back-off doubles with every agent 
 :data:`HEALTHY_S` of its start and starts over after one that served longer.
 
 While the agent is down (never started, Ray killed it, it crashed, it was stuck), every call goes to
-``fallback`` (the ``local_fallback`` client: machine-local disk, memory, or nothing), counted
-in ``agent_down_calls``; the next call after ``backoff`` seconds probes the Ray address with one
-TCP connect (no Ray import) and, when it answers, starts a new agent on a background thread.
-An unreachable address is probed again a second later (so a head restarted on its address,
-``kvblend server --port``, is found at once); an agent that started and failed doubles the
-back-off (1 s to 30 s). An agent started in the background (not the constructor's, which vLLM's
-start-up waits for) waits up to :data:`SHARDS_WAIT_S` for shards to be registered. One log line per state change (up, down).
+``fallback`` (the ``local_fallback`` client: machine-local disk, memory, or nothing), counted in
+``agent_down_calls``. A watcher thread (and any call) starts a new agent once ``backoff`` is
+over: one TCP connect to the Ray address (no Ray import) first; unreachable, it is tried again a
+second later (a head restarted on its address, ``kvblend server --port``, is found at once);
+an agent that starts and fails doubles the back-off (1 s to 30 s). A background start (not the
+constructor's, which vLLM's start-up waits for) lets the agent wait up to :data:`SHARDS_WAIT_S`
+for shards to be registered again. One log line per state change (up, down).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import namedtuple
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -63,7 +64,7 @@ from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.local import DeferredRead
 from cluster.cache.puts import MAX_PENDING_PUT_BYTES
-from cluster.cache.wire import MAX_BUFFER_BYTES, AgentLink, spawn_agent
+from cluster.cache.wire import MAX_BUFFER_BYTES, AgentLink, link_timeouts, spawn_agent
 from tiers.codec import encode_kv, object_layer
 from tiers.format import FormatError
 from tiers.keys import ChunkKey
@@ -78,28 +79,16 @@ BACKOFF_S = (1.0, 30.0)
 MAX_OBJECT_BYTES = MAX_BUFFER_BYTES
 #: seconds an agent must have served for its loss to start the back-off over
 HEALTHY_S = 60.0
-#: seconds an agent started in the background waits for shards to be registered (a restarted
-#: head answers before `kvblend server` has created them again)
+#: seconds a background start's agent waits for shards (a restarted head answers before them)
 SHARDS_WAIT_S = 15.0
-
-
-def link_timeouts(config) -> tuple[float, float]:
-    """``(io_timeout_s, stuck_after_s)`` of the agent link (see the module docstring)."""
-    call_s = config.cluster.call_timeout_s
-    return max(1.0, call_s), max(3.0, 2.0 * call_s)
 
 COUNTERS = ("lookups", "hits", "misses", "read_errors", "timeouts", "agent_errors", "agent_busy",
             "agent_down_calls", "agent_starts", "agent_exits", "puts", "puts_dropped",
             "layer_reads", "layer_misses", "arena_full", "arena_refits")
 
 
-class _Entry:
-    """What :class:`RayHostLayers` reads of a mapped chunk: its header."""
-
-    __slots__ = ("header",)
-
-    def __init__(self, header) -> None:
-        self.header = header
+#: what :class:`RayHostLayers` reads of a mapped chunk: its header
+_Entry = namedtuple("_Entry", "header")
 
 
 class AgentClient:
@@ -142,7 +131,9 @@ class AgentClient:
         self._next_start = 0.0
         self._link_since = 0.0
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-client", initializer=thread_initializer)
+        self._stop = threading.Event()
         self._start(start_timeout_s)
+        threading.Thread(target=self._watch, name="kvblend-agent-watch", daemon=True).start()
 
     # -- the agent's life ---------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -242,6 +233,19 @@ class AgentClient:
         if not self._closed:
             self._state_change("down", f"cache agent (pid {link.pid}) exited ({link.why_closed}); serving "
                                "without the shared cache (full prefill) and reconnecting in the background")
+
+    def _watch(self) -> None:
+        """Reconnect without waiting for a call: every BACKOFF_S[0] s while no agent serves,
+        start one once its back-off is over, so the first request after a head is back hits."""
+        while not self._stop.wait(BACKOFF_S[0]):
+            link = self._link
+            if link is not None and link.closed:
+                self._lost(link)
+            with self._lock:
+                start = self._link is None and not self._starting and time.monotonic() >= self._next_start
+                self._starting = self._starting or start
+            if start:
+                self._start(AGENT_START_TIMEOUT_S + SHARDS_WAIT_S, SHARDS_WAIT_S)
 
     def _agent(self) -> AgentLink | None:
         """The live agent, or None (then maybe start one in the background)."""
@@ -482,6 +486,7 @@ class AgentClient:
 
     def close(self) -> None:
         """Stop the agent and the fetch threads; the fallback is not closed (it is shared)."""
+        self._stop.set()
         with self._lock:
             self._closed = True
             link, self._link = self._link, None

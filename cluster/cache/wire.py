@@ -360,6 +360,13 @@ def package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def link_timeouts(config) -> tuple[float, float]:
+    """``(io_timeout_s, stuck_after_s)`` of an agent link for a :class:`cluster.config.KVBlendConfig`:
+    max(1 s, ``call_timeout_s``) and max(3 s, 2 x ``call_timeout_s``), seconds."""
+    call_s = config.cluster.call_timeout_s
+    return max(1.0, call_s), max(3.0, 2.0 * call_s)
+
+
 def spawn_agent(hello: dict, on_close: Callable[[AgentLink], None], *, start_timeout_s: float,
                 pass_fds: Sequence[int] = (), **link_options) -> tuple[AgentLink | None, str]:
     """Start a cache agent (:mod:`cluster.cache.agent`) on a socketpair, send it ``hello`` and

@@ -224,6 +224,7 @@ def test_an_unreachable_head_is_probed_every_second_and_a_failed_agent_backs_off
 
     cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
     client = AgentClient(cfg, NAMESPACE, LocalCacheClient())  # 127.0.0.1:1 refuses: no spawn
+    client._stop.set()  # its watcher ends: the starts below are this test's alone
     try:
         def wait_after_start() -> float:
             return client._next_start - time.monotonic()
@@ -256,3 +257,31 @@ def test_an_unreachable_head_is_probed_every_second_and_a_failed_agent_backs_off
     finally:
         monkeypatch.undo()
         client.close()
+
+
+def test_the_watcher_starts_an_agent_without_a_call(monkeypatch):
+    """Issue 35: with no request arriving, the client's watcher still probes and starts the
+    next agent once the back-off is over (the first request after a head is back hits), asking
+    it to wait for shards; it stops with the client."""
+    import time
+
+    from cluster.cache.agent_client import SHARDS_WAIT_S, AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+    from tests.factories import NAMESPACE
+
+    cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
+    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+    asked = []
+    try:
+        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
+        monkeypatch.setattr(client, "_spawn", lambda timeout_s, shards_wait_s: (
+            asked.append(shards_wait_s), (None, "no cache shards"))[1])
+        assert returns_within(lambda: [asked or time.sleep(0.05) for _ in range(600)] and asked, hang_s=60)
+        assert asked[0] == SHARDS_WAIT_S and client.counters["agent_down_calls"] == 0  # no call made
+    finally:
+        client.close()
+        monkeypatch.undo()
+    n = len(asked)
+    time.sleep(2.5)  # past two watcher periods: none after close (not a timing assertion on the code)
+    assert len(asked) <= n + 1 and client._stop.is_set()
