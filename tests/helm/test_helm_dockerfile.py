@@ -70,7 +70,8 @@ def test_parser_rejects_broken_files():
 
 
 def test_dockerfile_parses_and_starts_from_the_vllm_033_image(dockerfile):
-    """The image, the `gpu` extra and the chart's annotation name one vLLM release (0.33)."""
+    """The image and the chart's annotation name one vLLM release (0.33.0), inside the range the
+    `gpu` extra allows (0.33 and 0.34, issue 35)."""
     kinds = [k for k, _ in dockerfile]
     assert kinds.index("FROM") == min(i for i, k in enumerate(kinds) if k != "ARG")
     assert kinds.count("FROM") == 1
@@ -79,7 +80,7 @@ def test_dockerfile_parses_and_starts_from_the_vllm_033_image(dockerfile):
     assert base == "vllm/vllm-openai:v0.33.0"
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     gpu_pin = [d for d in pyproject["project"]["optional-dependencies"]["gpu"] if d.startswith("vllm")]
-    assert gpu_pin == ["vllm==0.33.*"] and base.endswith(":v0.33.0")
+    assert gpu_pin == ["vllm>=0.33,<0.35"] and base.endswith(":v0.33.0")
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["annotations"]["kvblend.io/vllm-version"] == "0.33.0"
 
