@@ -119,19 +119,24 @@ def split_text(text: str, separator: str) -> list[str]:
     return text.split(separator)
 
 
-def find_segments(token_ids: Sequence[int], tokenizer, separator: str) -> list[Span]:
+def find_segments(token_ids: Sequence[int], tokenizer, separator: str,
+                  frames: Sequence[str] = ()) -> list[Span]:
     """Segment spans of a prompt given as token ids, whatever ids the separator took.
 
     Args:
         token_ids: the whole prompt.
         tokenizer: a HF tokenizer (byte-level BPE or SentencePiece vocabulary).
         separator: the separator string.
+        frames: texts that bound segments like the separator does, in a prompt that holds the
+            separator (the chat template's text around messages, :func:`blend.chat.chat_frames`).
 
     Returns:
         ``(kind, start, end)`` spans tiling ``[0, len(token_ids))`` in order, kinds ``prefix``
-        (before the first separator), ``sep``, ``chunk`` (between separators), ``query``
-        (after the last one). Empty spans are left out; adjacent separators merge into one
-        ``sep`` span. No separator: one ``prefix`` span over the whole prompt.
+        (before the first separator or frame), ``sep`` (a separator or frame; adjacent ones
+        merge into one), ``chunk`` (between them), ``query`` (after the last one; when the
+        prompt ends with a frame, e.g. a chat template's generation prompt, the segment before
+        it and that frame). Empty spans are left out. No separator: one ``prefix`` span over
+        the whole prompt, frames or not.
 
     Raises:
         ValueError: empty separator, unsupported tokenizer, or an id outside the vocabulary.
@@ -155,29 +160,48 @@ def find_segments(token_ids: Sequence[int], tokenizer, separator: str) -> list[S
         ends.append(pos)
         pieces.append(b)
     text = b"".join(pieces)
-    sep = separator.encode()
-    sep_spans: list[list[int]] = []
-    at = text.find(sep)
-    while at >= 0:
-        first = bisect.bisect_right(ends, at)              # first token ending after the start
-        last = bisect.bisect_left(starts, at + len(sep))   # one past the last token starting before the end
-        if sep_spans and first <= sep_spans[-1][1]:
-            sep_spans[-1][1] = max(sep_spans[-1][1], last)
-        else:
-            sep_spans.append([first, last])
-        at = text.find(sep, at + len(sep))
-    if not sep_spans:
+    found = _token_spans(text, separator.encode(), starts, ends, is_frame=False)
+    if not found:
         return [(PREFIX, 0, n)]
+    for frame in frames:
+        if frame:
+            found += _token_spans(text, frame.encode(), starts, ends, is_frame=True)
+    found.sort()
+    bounds: list[list] = []  # [first, last, only frames]
+    for first, last, is_frame in found:
+        if bounds and first <= bounds[-1][1]:
+            bounds[-1][1] = max(bounds[-1][1], last)
+            bounds[-1][2] = bounds[-1][2] and is_frame
+        else:
+            bounds.append([first, last, is_frame])
+    query_from = None  # a prompt ending with a frame: the segment before it is the query's
+    if len(bounds) > 1 and bounds[-1][1] >= n and bounds[-1][2] and bounds[-2][1] < bounds[-1][0]:
+        query_from = bounds.pop()[0]
     spans: list[Span] = []
     cursor = 0
-    for i, (s, e) in enumerate(sep_spans):
+    for i, (s, e, _) in enumerate(bounds):
         if s > cursor:
             spans.append((PREFIX if i == 0 else CHUNK, cursor, s))
         spans.append((SEPARATOR, s, e))
         cursor = e
-    if cursor < n:
+    if query_from is not None or cursor < n:
         spans.append((QUERY, cursor, n))
     return spans
+
+
+def _token_spans(text: bytes, pattern: bytes, starts: list[int], ends: list[int],
+                 is_frame: bool) -> list[tuple[int, int, bool]]:
+    """``(first, last, is_frame)`` token ranges covering each occurrence of ``pattern`` in the
+    prompt's ``text``: every token that overlaps an occurrence (``starts``/``ends``: each
+    token's byte range), so a token straddling it and text goes with it."""
+    out = []
+    at = text.find(pattern)
+    while at >= 0:
+        first = bisect.bisect_right(ends, at)                  # first token ending after the start
+        last = bisect.bisect_left(starts, at + len(pattern))   # one past the last token starting before the end
+        out.append((first, last, is_frame))
+        at = text.find(pattern, at + len(pattern))
+    return out
 
 
 def special_tokens_around(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -214,6 +238,30 @@ def standalone_span(token_ids: Sequence[int], start: int, end: int,
     if after and end == n and n - len(after) >= start and tuple(token_ids[n - len(after):]) == after:
         end = n - len(after)
     return start, max(start, end)
+
+
+def standalone_chunk_spans(spans, token_ids, specials) -> list[tuple[int, int]]:
+    """Spans of a prompt stored as chunks although the plan never reuses them there:
+
+    * a prompt with no separator is a passage sent to precompute it (LMCache's recipe sends
+      ``chunk`` alone): its text's ids, without the BOS/EOS the tokenizer added;
+    * the last segment of ``system ⟨sep⟩ passage`` (no chunk between separators; LMCache's
+      recipe precomputes its first chunk this way) is that passage.
+
+    The first segment of a separator prompt is a chunk of the plan already
+    (:func:`first_segment_as_chunk`). ``specials`` is :func:`special_tokens_around` of the
+    tokenizer. Called by the vLLM scheduler half for every prompt it plans.
+    """
+    n = len(token_ids)
+    kinds = [kind for kind, _, _ in spans]
+    if SEPARATOR not in kinds:
+        start, end = standalone_span(token_ids, 0, n, specials)
+        return [(start, end)] if end > start else []
+    if CHUNK in kinds or kinds[-1] != QUERY:
+        return []
+    _, start, _ = spans[-1]
+    start, end = standalone_span(token_ids, start, n, ((), specials[1]))
+    return [(start, end)] if end > start else []
 
 
 def first_segment_as_chunk(spans: Sequence[Span], token_ids: Sequence[int],

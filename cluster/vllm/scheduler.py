@@ -7,7 +7,8 @@ Runs in vLLM's scheduler (the engine-core process, on its busy-loop thread). Per
     [ vLLM prefix cache ][ claimed: blended by us, written into paged KV ][ ^ query ]
 
 * **Blend path** (the prompt has separator-delimited chunks): segments are found on the token
-  ids (:func:`blend.segments.find_segments`); the first segment (after a BOS the tokenizer
+  ids (:func:`blend.segments.find_segments`; in a chat prompt the template's text around
+  messages bounds segments too, :func:`blend.chat.chat_frames`); the first segment (after a BOS the tokenizer
   adds) is a chunk too (:func:`blend.segments.first_segment_as_chunk`: with nothing before it,
   its KV is a standalone chunk's, so a passage in first position is reused elsewhere and a
   cached chunk can stand first); one batched lookup plans the blend
@@ -20,7 +21,7 @@ Runs in vLLM's scheduler (the engine-core process, on its busy-loop thread). Per
   by :func:`tiers.keys.prefix_keys`; the leading cached ones are claimed (never the last prompt
   token: vLLM always computes >= 1), the rest stored after the forward that computes them.
 * **Standalone chunks** (LMCache's recipes precompute a passage by sending it alone, or as
-  ``system ⟨sep⟩ passage``; :func:`_standalone_spans`): a prompt without separators is also
+  ``system ⟨sep⟩ passage``; :func:`blend.segments.standalone_chunk_spans`): a prompt without separators is also
   stored as one segment (its ids without the BOS the tokenizer added), and so is the last
   segment of a prompt with one separator and no chunk; gathered from the paged cache when it
   starts at token 0, else computed canonically by the worker.
@@ -43,14 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from blend.chat import chat_frames
 from blend.config import SELECTIONS
-from blend.plan import CHUNK, QUERY, SEPARATOR, BlendPlan
+from blend.plan import CHUNK, BlendPlan
 from blend.planner import make_plan
 from blend.segments import (
     find_segments,
     first_segment_as_chunk,
     special_tokens_around,
-    standalone_span,
+    standalone_chunk_spans,
 )
 from cluster.vllm import compat, paged
 from cluster.vllm.events import EventLog, WarnOnce
@@ -111,34 +113,10 @@ class _ReqState:
     store_segments: list[tuple[ChunkKey, tuple[int, ...]]] = field(default_factory=list)
     store_prefix: list[tuple[ChunkKey, int, int]] = field(default_factory=list)  # gathered after the forward
     block_ids: list[int] = field(default_factory=list)
-    num_standalone: int = 0     # stores scheduled for _standalone_spans (in the two lists above)
+    num_standalone: int = 0     # stores of standalone_chunk_spans (in the two lists above)
     loaded: bool = False
     load_async: bool = False    # the claim goes through vLLM's async-load path
     store_sent: bool = False    # canonical segments sent to the worker: hold blocks until stored
-
-
-def _standalone_spans(spans, token_ids, specials) -> list[tuple[int, int]]:
-    """Spans of a prompt stored as chunks although the plan never reuses them there:
-
-    * a prompt with no separator is a passage sent to precompute it (LMCache's recipe sends
-      ``chunk`` alone): its text's ids, without the BOS/EOS the tokenizer added;
-    * the last segment of ``system ⟨sep⟩ passage`` (no chunk between separators; LMCache's
-      recipe precomputes its first chunk this way) is that passage.
-
-    The first segment of a separator prompt is a chunk of the plan already
-    (:func:`blend.segments.first_segment_as_chunk`). ``specials`` is
-    :func:`blend.segments.special_tokens_around` of the tokenizer.
-    """
-    n = len(token_ids)
-    kinds = [kind for kind, _, _ in spans]
-    if SEPARATOR not in kinds:
-        start, end = standalone_span(token_ids, 0, n, specials)
-        return [(start, end)] if end > start else []
-    if CHUNK in kinds or kinds[-1] != QUERY:
-        return []
-    _, start, _ = spans[-1]
-    start, end = standalone_span(token_ids, start, n, ((), specials[1]))
-    return [(start, end)] if end > start else []
 
 
 def _count_tiers(segments) -> dict[str, int]:
@@ -246,13 +224,15 @@ class KVBlendScheduler:
         store = bool(params.get("kvblend_store", True)) and self.config.cluster.store_kv
         load = bool(params.get("kvblend_load", True))
         blend_cfg = self._blend_config(params)
-        spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator) if token_ids else []
+        # chat prompts: the template's frame around messages bounds segments too (issue 35)
+        spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator,
+                              chat_frames(self.tokenizer)) if token_ids else []
         blendable = (self.config.cluster.engine_type == "blend" and self.tp_size == 1
                      and not prefix_only(request, self._warn))
         standalone: list[tuple[int, int]] = []  # spans stored as chunks besides the plan's segments
         if blendable and token_ids and self.config.blend.enable_blending:
             specials = special_tokens_around(self.tokenizer)
-            standalone = _standalone_spans(spans, token_ids, specials)
+            standalone = standalone_chunk_spans(spans, token_ids, specials)
             spans = first_segment_as_chunk(spans, token_ids, specials)
         if store and standalone:
             self._store_standalone(state, standalone, tenant)
@@ -360,7 +340,7 @@ class KVBlendScheduler:
 
     def _store_standalone(self, state: _ReqState, spans: list[tuple[int, int]], tenant: str) -> None:
         """Store spans of a prompt that LMCache's recipes send to precompute a chunk (see
-        :func:`_standalone_spans`) under their segment keys: one starting at token 0 is gathered
+        :func:`blend.segments.standalone_chunk_spans`) under their segment keys: one starting at token 0 is gathered
         from the paged cache after the forward (nothing before it: vLLM's KV is the canonical
         KV), any other is computed canonically by the worker."""
         token_ids = state.token_ids

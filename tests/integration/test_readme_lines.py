@@ -237,3 +237,65 @@ def test_separator_in_context(readme_vllm, tmp_path):
     # the 3 passages, and the chat template's head (the first segment, stored by the first
     # request) once its store has landed
     assert claimed2 >= passage_tokens and hit_segments2 in (3, 4)
+
+
+def test_chat_passages_hit_in_every_position(readme_vllm, tmp_path):
+    """Issue 35, through the README's `vllm serve` (vLLM's default tokenizer mode, the default
+    separator) and the OpenAI client's chat API, the shape RAG clients send: a system message
+    and a user message ``passage ⟨sep⟩ passage ⟨sep⟩ passage ⟨sep⟩ question``, no leading
+    separator. Passages ingested alone hit in first, middle and last position; the system
+    message, stored by the first chat, hits as its own segment; at ratio 1.0 the answer is full
+    prefill's; the latest user message of a multi-turn conversation keeps hitting."""
+    import requests
+    from openai import OpenAI
+
+    from cluster.workloads.qa import load_examples, resolve_dataset
+
+    ex = load_examples(resolve_dataset("wikimqa"), limit=2)[1]
+    passages = list(ex.passages[:3])
+    corpus = tmp_path / "kb.jsonl"
+    corpus.write_text(json.dumps({"passages": passages}) + "\n")  # a knowledge base: no question
+    r = subprocess.run(["bash", "-c", f"kvblend ingest --data {corpus}"], env=_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "ingested 3 passages" in r.stdout, r.stdout + r.stderr
+
+    sep = "\n# #\n"
+    system = "Answer the question from the passages. Reply with a short phrase."
+    client = OpenAI(base_url=readme_vllm + "/v1", api_key="EMPTY")
+
+    def hits() -> float:
+        return _metric(requests.get(readme_vllm + "/metrics", timeout=10).text, "vllm:kvblend_hit_segments_total")
+
+    def chat(messages, params=None, want: int = 0) -> tuple[float, str]:
+        before = hits()
+        out = client.chat.completions.create(model="model", messages=messages, max_tokens=8, temperature=0,
+                                             extra_body={"kv_transfer_params": params} if params else None)
+        deadline = time.time() + 30  # vLLM's stats loop publishes the step's counters (a hang guard)
+        while hits() - before < want and time.time() < deadline:
+            time.sleep(0.5)
+        return hits() - before, out.choices[0].message.content
+
+    def rag(order, question=ex.question) -> list[dict]:
+        user = sep.join([passages[i] for i in order] + [f"Question: {question}"])
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    got, _ = chat(rag([0, 1, 2]), want=3)
+    assert got == 3, f"{got} hit segments: the 3 passages, the first one in first position"
+    deadline = time.time() + 120  # the system message's store (a hang guard)
+    while True:
+        got, answer = chat(rag([2, 0, 1]), want=4)
+        if got == 4 or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert got == 4, f"{got} hit segments: the system message and the 3 passages in another order"
+    assert answer
+    got, _ = chat(rag([1, 2, 0], "Which passage comes last?"), want=4)
+    assert got == 4
+
+    oracle = rag([2, 1, 0])
+    assert chat(oracle, {"kvblend_recompute_ratio": 1.0})[1] == chat(oracle, {"kvblend_load": False})[1]
+
+    turn2 = rag([0, 1, 2]) + [{"role": "assistant", "content": answer},
+                              {"role": "user", "content": sep.join([passages[2], passages[0], "And the other one?"])}]
+    got, _ = chat(turn2, want=2)
+    assert got >= 2, f"{got} hit segments in the second turn (its 2 passages at least)"

@@ -103,6 +103,25 @@ def test_chat_template_path_is_segment_wise(wrapped, vllm_tokenizer):
     assert chunk_ids_found(ids, vllm_tokenizer) == [chunk_token_ids(vllm_tokenizer, c) for c in CHUNKS]
 
 
+def test_chat_passages_in_first_position_and_the_system_message_are_chunks(wrapped, vllm_tokenizer):
+    """Issue 35, with ``--tokenizer-mode kvblend`` and LMCache's separator: a system message and
+    a user message ``chunk # # chunk # # chunk # # question`` (no leading separator) give the
+    system message and every passage, the first included, their canonical ids once segments
+    are bounded by the chat template's frames too (:func:`blend.chat.chat_frames`)."""
+    from blend.chat import chat_frames
+    from blend.segments import first_segment_as_chunk, special_tokens_around
+
+    for order in ((0, 1, 2), (2, 0, 1)):
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": SEP.join([CHUNKS[i] for i in order] + [QUERY])}]
+        ids = list(wrapped.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                               add_generation_prompt=True))
+        spans = first_segment_as_chunk(find_segments(ids, vllm_tokenizer, SEP, chat_frames(vllm_tokenizer)),
+                                       ids, special_tokens_around(vllm_tokenizer))
+        got = [list(ids[s:e]) for kind, s, e in spans if kind == "chunk"]
+        assert got == [chunk_token_ids(vllm_tokenizer, t) for t in [SYSTEM] + [CHUNKS[i] for i in order]]
+
+
 def test_copies_pickles_and_vllms_pool_keep_the_wrapper(wrapped):
     from vllm.tokenizers import maybe_make_thread_pool
 
