@@ -32,24 +32,17 @@ miss), and closes when the agent sent nothing — not even its heartbeat — for
 blocked sending to this process is found within ``stuck_after_s`` + 0.5 s, killed, and its
 calls are misses (one that keeps beating while a call goes unanswered is not: that call is a
 miss at its wait). The agent runs the kvblend this process imported, with ``python -I`` (the
-working directory never on its ``sys.path``). Back-off doubles with every agent lost within
-:data:`HEALTHY_S` of its start and starts over after one that served longer.
+working directory never on its ``sys.path``).
 
-While the agent is down (never started, Ray killed it, it crashed, it was stuck), every call goes to
-``fallback`` (the ``local_fallback`` client: machine-local disk, memory, or nothing), counted in
-``agent_down_calls``. A watcher thread (and any call) starts a new agent once ``backoff`` is
-over: one TCP connect to the Ray address (no Ray import) first; unreachable, it is tried again a
-second later (a head restarted on its address, ``kvblend server --port``, is found at once);
-an agent that starts and fails doubles the back-off (1 s to 30 s). A background start (not the
-constructor's, which vLLM's start-up waits for) lets the agent wait up to :data:`SHARDS_WAIT_S`
-for shards to be registered again. One log line per state change (up, down).
+While the agent is down every call goes to ``fallback`` (the ``local_fallback`` client:
+machine-local disk, memory, or nothing), counted in ``agent_down_calls``; how a new agent is
+started, and when, is :mod:`cluster.cache.agent_life`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import namedtuple
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,29 +51,19 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from blend.protocols import ChunkMeta, fetch_in_order
+from cluster.cache.agent_life import AGENT_START_TIMEOUT_S, AgentLife
 from cluster.cache.agent_objects import AgentObjects
-from cluster.cache.agent_ops import LookupHit, request
+from cluster.cache.agent_ops import LookupHit, answer_of, request
 from cluster.cache.deadline import lookup_wait_s
 from cluster.cache.host_layers import RayHostLayers
 from cluster.cache.local import DeferredRead
 from cluster.cache.puts import MAX_PENDING_PUT_BYTES
-from cluster.cache.wire import MAX_BUFFER_BYTES, AgentLink, link_timeouts, spawn_agent
+from cluster.cache.wire import AgentLink, link_timeouts
 from tiers.codec import encode_kv, object_layer
 from tiers.format import FormatError
 from tiers.keys import ChunkKey
 
 log = logging.getLogger("kvblend.client")
-
-#: seconds the first agent may take to import Ray, join the cluster and find shards
-AGENT_START_TIMEOUT_S = 60.0
-#: reconnect back-off after a failed start or a lost agent: first and largest, seconds
-BACKOFF_S = (1.0, 30.0)
-#: largest chunk object accepted from the agent (the wire's buffer limit for this link)
-MAX_OBJECT_BYTES = MAX_BUFFER_BYTES
-#: seconds an agent must have served for its loss to start the back-off over
-HEALTHY_S = 60.0
-#: seconds a background start's agent waits for shards (a restarted head answers before them)
-SHARDS_WAIT_S = 15.0
 
 COUNTERS = ("lookups", "hits", "misses", "read_errors", "timeouts", "agent_errors", "agent_busy",
             "agent_down_calls", "agent_starts", "agent_exits", "puts", "puts_dropped",
@@ -91,7 +74,7 @@ COUNTERS = ("lookups", "hits", "misses", "read_errors", "timeouts", "agent_error
 _Entry = namedtuple("_Entry", "header")
 
 
-class AgentClient:
+class AgentClient(AgentLife):
     """Cache client over a cache agent (see the module docstring), falling back to ``fallback``.
 
     Args:
@@ -120,22 +103,13 @@ class AgentClient:
         self.max_mapped_bytes = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
-        self._link: AgentLink | None = None
         #: the chunk objects read from the agent (arena slots or socket buffers), LRU
         self.objects = AgentObjects(self._count)
         self._put_bytes = 0
-        self._starting = False
-        self._closed = False
-        self._state = ""
-        self._backoff = BACKOFF_S[0]
-        self._next_start = 0.0
-        self._link_since = 0.0
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-client", initializer=thread_initializer)
-        self._stop = threading.Event()
-        self._start(start_timeout_s)
-        threading.Thread(target=self._watch, name="kvblend-agent-watch", daemon=True).start()
+        self._start_life(start_timeout_s)
 
-    # -- the agent's life ---------------------------------------------------------------------
+    # -- counters ------------------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
@@ -143,126 +117,6 @@ class AgentClient:
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to counter ``name`` (:class:`RayHostLayers` counts its reads here)."""
         self._count(name, n)
-
-    @property
-    def up(self) -> bool:
-        """Whether an agent is serving this client now."""
-        return self._link is not None
-
-    def _address(self) -> str | None:
-        from cluster.cache.connect import _auto_address, _probe
-
-        address = self.config.cluster.ray_address
-        if address == "auto":
-            address = _auto_address()
-        return address if address and _probe(address) else None
-
-    def _start(self, timeout_s: float, shards_wait_s: float = 0.0) -> None:
-        """Start an agent and wait for its hello answer (up to ``timeout_s``; the agent waits up
-        to ``shards_wait_s`` of it for shards to be registered); on failure schedule the next
-        attempt (see the module docstring). Never raises."""
-        why, link, reachable = None, None, True
-        try:
-            if self._address() is None:
-                reachable = False
-                why = f"Ray is not reachable at ray_address={self.config.cluster.ray_address!r}"
-            else:
-                link, why = self._spawn(timeout_s, shards_wait_s)
-        except Exception as e:  # noqa: BLE001 - a failed start is a fallback, never an error
-            why = f"{type(e).__name__}: {e}"
-        with self._lock:
-            self._starting = False
-            if link is not None and not self._closed:
-                self._link, self._link_since = link, time.monotonic()
-                self.counters["agent_starts"] += 1
-            elif not reachable:
-                # one TCP connect per BACKOFF_S[0] costs nothing: a head back on its address is
-                # found within a second of the next call, and the back-off starts over
-                self._next_start = time.monotonic() + BACKOFF_S[0]
-                self._backoff = BACKOFF_S[0]
-            else:  # an agent started and failed (no shards, auth, ...): a process each time
-                self._next_start = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, BACKOFF_S[1])
-        if link is not None and self._closed:
-            link.close()
-        elif link is not None:
-            self._state_change("up", f"cache agent up (pid {link.pid}, {why}); using the shared cache")
-            if link.closed:  # lost before it was stored: its close found another link current
-                self._lost(link)
-        else:
-            self._state_change("down", f"no cache agent ({why}); serving without the shared cache, "
-                               "retrying in the background")
-
-    def _state_change(self, state: str, message: str) -> None:
-        """Log ``message`` once per change of state (up/down), at debug level otherwise."""
-        with self._lock:
-            changed, self._state = self._state != state, state
-        if changed:
-            log.warning("kvblend: %s", message)
-        else:
-            log.debug("%s", message)
-
-    def _spawn(self, timeout_s: float, shards_wait_s: float) -> tuple[AgentLink | None, str]:
-        hello = {"op": "hello", "config": self.config.as_flat_dict(), "namespace": self.namespace,
-                 "shards_wait_s": shards_wait_s}
-        arena = self.objects.new_arena(self.arena_bytes)  # each agent a fresh one
-        if arena is not None:
-            hello["arena"] = {"fd": arena.fd, "bytes": arena.nbytes}
-        try:
-            link, why = spawn_agent(hello, self._lost, start_timeout_s=timeout_s, io_timeout_s=self.io_timeout_s,
-                                    stuck_after_s=self.stuck_after_s, max_buffer_bytes=MAX_OBJECT_BYTES,
-                                    pass_fds=() if arena is None else (arena.fd,))
-        finally:
-            if arena is not None:
-                arena.close_fd()  # the agent holds its own descriptor now
-        if link is None or not link.arena:
-            self.objects.retire()  # no agent, or it could not map the arena: none held meanwhile
-        return link, why
-
-    def _lost(self, link: AgentLink) -> None:
-        with self._lock:
-            if self._link is not link:
-                return
-            self._link = None
-            self.counters["agent_exits"] += 1
-            if time.monotonic() - self._link_since >= HEALTHY_S:
-                self._backoff = BACKOFF_S[0]
-            self._next_start = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, BACKOFF_S[1])
-        self.objects.retire()  # its arena too: a late write of the dying agent lands nowhere in use
-        if not self._closed:
-            self._state_change("down", f"cache agent (pid {link.pid}) exited ({link.why_closed}); serving "
-                               "without the shared cache (full prefill) and reconnecting in the background")
-
-    def _watch(self) -> None:
-        """Reconnect without waiting for a call: every BACKOFF_S[0] s while no agent serves,
-        start one once its back-off is over, so the first request after a head is back hits."""
-        while not self._stop.wait(BACKOFF_S[0]):
-            link = self._link
-            if link is not None and link.closed:
-                self._lost(link)
-            with self._lock:
-                start = self._link is None and not self._starting and time.monotonic() >= self._next_start
-                self._starting = self._starting or start
-            if start:
-                self._start(AGENT_START_TIMEOUT_S + SHARDS_WAIT_S, SHARDS_WAIT_S)
-
-    def _agent(self) -> AgentLink | None:
-        """The live agent, or None (then maybe start one in the background)."""
-        link = self._link
-        if link is not None and not link.closed:
-            return link
-        if link is not None:
-            self._lost(link)
-        with self._lock:
-            start = not self._starting and not self._closed and time.monotonic() >= self._next_start
-            if start:
-                self._starting = True
-            self.counters["agent_down_calls"] += 1
-        if start:
-            threading.Thread(target=self._start, args=(AGENT_START_TIMEOUT_S + SHARDS_WAIT_S, SHARDS_WAIT_S),
-                             name="kvblend-agent-start", daemon=True).start()
-        return None
 
     def _call(self, link: AgentLink, wait_s: float, message: dict, buffers: Sequence = (),
               on_done: Callable[[object], None] | None = None):
@@ -406,6 +260,9 @@ class AgentClient:
         if link is None:
             self.fallback.put(key, kv, positions)
             return
+        if self._put_bytes + kv.numel() * kv.element_size() > MAX_PENDING_PUT_BYTES:
+            self._count("puts_dropped")  # over the bound already: not encoded for nothing
+            return
         obj = encode_kv(key, kv, positions, compress=False)  # the only encoding before the shard
         with self._lock:
             if self._put_bytes + len(obj) > MAX_PENDING_PUT_BYTES:
@@ -430,8 +287,7 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return self.fallback.flush(timeout_s)
-        got = self._call(link, timeout_s + 1.0, request("flush", timeout_s=timeout_s))
-        return bool(got and got[0])
+        return bool(self._answer(link, timeout_s + 1.0, "flush", request("flush", timeout_s=timeout_s)))
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether each key is stored (False for all when the agent does not answer)."""
@@ -439,8 +295,8 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return self.fallback.contains(keys)
-        got = self._call(link, self.timeout_s * 2, request("contains", keys))
-        return [bool(c) for c in got[0]] if got is not None else [False] * len(keys)
+        got = self._answer(link, self.timeout_s * 2, "contains", request("contains", keys), len(keys))
+        return got if got is not None else [False] * len(keys)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Delete keys (on the shards through the agent, or the fallback's); how many existed."""
@@ -449,8 +305,7 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return self.fallback.delete(keys)
-        got = self._call(link, self.timeout_s * 2, request("delete", keys))
-        return int(got[0]) if got is not None else 0
+        return self._answer(link, self.timeout_s * 2, "delete", request("delete", keys)) or 0
 
     def clear(self, namespace: str | None = None) -> int:
         """Delete every chunk of ``namespace`` (all when None) on every shard through the agent
@@ -466,8 +321,17 @@ class AgentClient:
         link = self._agent()
         if link is None:
             return 0
-        got = self._call(link, self.timeout_s * 10, request("clear", namespace=namespace))
-        return int(got[0]) if got is not None else 0
+        return self._answer(link, self.timeout_s * 10, "clear", request("clear", namespace=namespace)) or 0
+
+    def _answer(self, link: AgentLink, wait_s: float, op: str, message: dict, num_keys: int = 0):
+        """The checked result of a ``contains``/``flush``/``delete``/``clear`` call
+        (:func:`~cluster.cache.agent_ops.answer_of`), or None: no answer, or a malformed one
+        (counted in ``agent_errors``)."""
+        got = self._call(link, wait_s, message)
+        value = None if got is None else answer_of(op, got[0], num_keys)
+        if got is not None and value is None:
+            self._count("agent_errors")
+        return value
 
     def stats(self) -> dict:
         """``{'client': this client's counters, 'agent': {...}, 'shards': {...}}``: the agent's

@@ -4,8 +4,9 @@ Each request frame is ``{"id", "op", "keys": [str(ChunkKey)], <the op's fields>}
 op's buffers; each answer ``{"id", "ok": true, "result"}`` (or ``"error"``) plus buffers. The
 vLLM side builds requests with :func:`request` (an op or field the table does not declare is a
 ``ValueError`` at the call) and reads the answers of ``lookup`` and ``objects`` with
-:meth:`LookupHit.from_wire` and :meth:`ObjectsAnswer.from_wire` (a malformed answer is a
-miss, never an exception); :class:`cluster.cache.agent.Agent` answers each op with its method
+:meth:`LookupHit.from_wire` and :meth:`ObjectsAnswer.from_wire`, those of ``contains``,
+``flush``, ``delete`` and ``clear`` with :func:`answer_of` (a malformed answer is a miss,
+never an exception); :class:`cluster.cache.agent.Agent` answers each op with its method
 ``op_<name>`` (every op of the table has one: checked when an agent is built) on the lane the
 table gives.
 
@@ -148,3 +149,17 @@ class ObjectsAnswer:
         if any(s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0) for s in sizes):
             return None
         return cls(where, sizes)
+
+
+def answer_of(op: str, value, num_keys: int = 0):
+    """The result of ``contains`` (``[bool] * num_keys``), ``flush`` (bool), ``delete`` or
+    ``clear`` (an int >= 0) that ``value`` is, or None when it is not that (malformed: the
+    caller counts it and answers as for no answer)."""
+    if op == "contains":
+        ok = isinstance(value, list) and len(value) == num_keys and all(isinstance(v, bool) for v in value)
+        return value if ok else None
+    if op == "flush":
+        return value if isinstance(value, bool) else None
+    if op in ("delete", "clear"):
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    raise ValueError(f"answer_of reads contains, flush, delete and clear, not {op!r}")

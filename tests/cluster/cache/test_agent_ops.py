@@ -115,3 +115,60 @@ def test_a_malformed_lookup_answer_is_a_counted_miss_and_a_put_sends_one_encoded
             client.put(keys[1], kv[0])
     finally:
         client.close()
+
+
+def test_admin_answers_must_have_their_type():
+    from cluster.cache.agent_ops import answer_of
+
+    assert answer_of("contains", [True, False], 2) == [True, False]
+    for bad in ([True], [1, 0], "yes", None, {"a": True}):
+        assert answer_of("contains", bad, 2) is None, bad
+    assert answer_of("flush", True) is True and answer_of("flush", 1) is None
+    assert answer_of("delete", 3) == 3 and answer_of("clear", 0) == 0
+    for bad in (-1, True, "3", 2.0, None):
+        assert answer_of("delete", bad) is None and answer_of("clear", bad) is None, bad
+    with pytest.raises(ValueError):
+        answer_of("lookup", [])
+
+
+@pytest.mark.parametrize("answer", [["yes", "no"], [True], -1, "3", None, {"x": 1}])
+def test_a_malformed_admin_answer_is_a_counted_no(monkeypatch, answer):
+    """``contains``, ``delete``, ``clear`` and ``flush`` answered with the wrong type: False / 0
+    and one ``agent_errors`` each, never an exception or a truthy string counted as stored."""
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+    from tests.factories import NAMESPACE
+
+    cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
+    client = AgentClient(cfg, NAMESPACE, LocalCacheClient(), start_timeout_s=0.1)
+    try:
+        monkeypatch.setattr(client, "_link", _Link(answer))
+        keys = [make_key(8200), make_key(8201)]
+        assert client.contains(keys) == [False, False]
+        assert client.delete(keys) == 0 and client.clear() == 0 and client.flush(1.0) is False
+        assert client.counters["agent_errors"] == 4
+    finally:
+        client.close()
+
+
+def test_a_put_over_the_pending_bound_is_dropped_before_it_is_encoded(monkeypatch):
+    import torch
+
+    from cluster.cache import agent_client
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.local import LocalCacheClient
+    from cluster.config import load_config
+    from tests.factories import NAMESPACE
+
+    cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
+    client = AgentClient(cfg, NAMESPACE, LocalCacheClient(), start_timeout_s=0.1)
+    try:
+        link = _Link(None)
+        monkeypatch.setattr(client, "_link", link)
+        monkeypatch.setattr(agent_client, "encode_kv", lambda *a, **k: pytest.fail("encoded"))
+        client._put_bytes = agent_client.MAX_PENDING_PUT_BYTES - 10
+        client.put(make_key(8300), torch.zeros(2, 2, 4, 1, 8, dtype=torch.float16), range(4))
+        assert client.counters["puts_dropped"] == 1 and not link.sent
+    finally:
+        client.close()

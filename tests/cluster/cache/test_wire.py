@@ -216,8 +216,9 @@ def test_an_unreachable_head_is_probed_every_second_and_a_failed_agent_backs_off
     to wait for shards; the constructor's start (vLLM's start-up waits for it) does not."""
     import time
 
-    from cluster.cache import agent_client
-    from cluster.cache.agent_client import BACKOFF_S, SHARDS_WAIT_S, AgentClient
+    from cluster.cache import agent_life
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.agent_life import BACKOFF_S, SHARDS_WAIT_S
     from cluster.cache.local import LocalCacheClient
     from cluster.config import load_config
     from tests.factories import NAMESPACE
@@ -253,7 +254,7 @@ def test_an_unreachable_head_is_probed_every_second_and_a_failed_agent_backs_off
         asked.clear()
         assert client._agent() is None
         assert returns_within(lambda: [asked or time.sleep(0.05) for _ in range(400)] and asked, hang_s=30)
-        assert asked == [SHARDS_WAIT_S] and agent_client.SHARDS_WAIT_S > 0
+        assert asked == [SHARDS_WAIT_S] and agent_life.SHARDS_WAIT_S > 0
     finally:
         monkeypatch.undo()
         client.close()
@@ -265,7 +266,8 @@ def test_the_watcher_starts_an_agent_without_a_call(monkeypatch):
     it to wait for shards; it stops with the client."""
     import time
 
-    from cluster.cache.agent_client import SHARDS_WAIT_S, AgentClient
+    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.agent_life import SHARDS_WAIT_S
     from cluster.cache.local import LocalCacheClient
     from cluster.config import load_config
     from tests.factories import NAMESPACE
