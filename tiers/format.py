@@ -14,7 +14,7 @@ With a key set (:mod:`tiers.auth`), ``flags`` has :data:`FLAG_MAC`, the header a
 ``"nonce": "<32 hex>"``, each layer entry a sixth item, its Poly1305 tag (32 hex), and the
 header region (``header_len`` bytes, all covered by ``header_xxh32``) ends with the header's
 16-byte BLAKE2b tag after the JSON. Version 2 added the tags; objects of version 1 are misses
-(their keys' namespaces differ too) that ``kvblend clear --stale`` deletes.
+(their keys' namespaces differ too) that ``kvblend clear --stale`` deletes (:mod:`tiers.ownership`).
 
 A layer's raw payload is the layer's K and V, ``[2, T, H, D]`` (axis 0: K then V) in
 ``dtype``, C-contiguous. ``codec`` is 0 (raw) or 1 (lz4 block); a layer is compressed only
@@ -213,16 +213,6 @@ def encode_chunk(
     prefix12 = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, FLAG_MAC, len(blob) + tag_bytes)
     region = blob + signer.header_tag(prefix12, blob)
     return b"".join([prefix12, struct.pack("<I", xxhash.xxh32_intdigest(region)), region, *payloads])
-
-
-def is_stale(head: bytes | memoryview) -> bool:
-    """Whether an object whose first bytes are ``head`` (at least :data:`PREFIX_BYTES`) is no
-    chunk object of this format version: another version (never read: its namespace digests
-    differ too), or not ours at all, or truncated. ``kvblend clear --stale`` deletes these."""
-    if len(head) < PREFIX_BYTES:
-        return True
-    magic, version, *_ = _PREFIX.unpack_from(head, 0)
-    return magic != MAGIC or version != FORMAT_VERSION
 
 
 def parse_prefix(buf: bytes | memoryview) -> int:

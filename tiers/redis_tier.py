@@ -9,7 +9,8 @@
 * ``contains`` pipelines ``EXISTS`` per key: one round trip for the batch.
 * :meth:`RedisTier.clear` (``kvblend clear --shared``) deletes the chunk objects of one
   namespace, or all, under ``key_prefix``: ``SCAN`` with a ``MATCH`` on the prefix, only keys
-  that parse as chunk keys, ``UNLINK`` in batches; never ``FLUSHDB``.
+  that parse as chunk keys and whose values read as our chunk objects (:mod:`tiers.ownership`),
+  ``UNLINK`` in batches; never ``FLUSHDB``.
 * redis-py with hiredis (when installed) and a connection pool; password and db come from
   the URL (``redis://:password@host:port/db``). ``rediss://`` is TLS: the server's certificate
   and host name are verified (``ssl_cert_reqs='required'``) against ``tls_ca_file`` (the
@@ -38,8 +39,9 @@ import threading
 from collections.abc import Sequence
 
 from tiers.config import check_tls_pairing
-from tiers.format import PREFIX_BYTES, is_stale
+from tiers.format import PREFIX_BYTES
 from tiers.keys import ChunkKey
+from tiers.ownership import Cleared, classify, deletable
 from tiers.redact import redact_text, redact_url
 from tiers.tier import Buffer
 
@@ -262,14 +264,15 @@ class RedisTier:
             self._error("delete", f"{len(keys)} keys", e)
             return 0
 
-    def clear(self, namespace: str | None = None, *, batch: int = 500, stale: bool = False) -> int:
-        """Delete every chunk object (of ``namespace`` when given) under ``key_prefix``;
-        returns how many were deleted. ``SCAN`` with ``MATCH <prefix>[<namespace>/]*``; only
-        keys whose rest parses as a :class:`~tiers.keys.ChunkKey` are removed (``UNLINK``,
-        ``DEL`` where the server lacks it), ``batch`` at a time; other keys of the server,
-        under the prefix or not, stay. Never ``FLUSHDB``. ``stale``: only objects that are no
-        chunk objects of this format version (:func:`tiers.format.is_stale`; one ``GETRANGE``
-        of the prefix per key).
+    def clear(self, namespace: str | None = None, *, batch: int = 500, stale: bool = False) -> Cleared:
+        """Delete the chunk objects of ours (of ``namespace`` when given) under ``key_prefix``;
+        returns how many were deleted, with what was kept (:class:`~tiers.ownership.Cleared`).
+        ``SCAN`` with ``MATCH <prefix>[<namespace>/]*``; of the keys whose rest parses as a
+        :class:`~tiers.keys.ChunkKey`, each value's first bytes are read (one pipelined
+        ``GETRANGE`` per ``batch`` keys) and only chunk objects of this or an older format
+        version (``stale``: only older ones) are removed (``UNLINK``, ``DEL`` where the server
+        lacks it): a newer-format object or a foreign value stays, whatever its key
+        (:func:`tiers.ownership.classify`). Never ``FLUSHDB``.
 
         Raises:
             ValueError: ``namespace`` is not a valid key part, or ``batch`` < 1.
@@ -280,22 +283,39 @@ class RedisTier:
         if batch < 1:
             raise ValueError(f"batch={batch} must be >= 1")
         deleted = 0
+        skipped: dict[str, int] = {}
         pending: list[bytes] = []
         try:
             for raw in self._client.scan_iter(match=pattern, count=max(batch, 100)):
-                if self._is_chunk_key(raw, namespace) and (
-                        not stale or is_stale(self._client.getrange(raw, 0, PREFIX_BYTES - 1))):
+                if self._is_chunk_key(raw, namespace):
                     pending.append(raw)
                 if len(pending) >= batch:
-                    deleted += self._unlink(pending)
+                    deleted += self._clear_batch(pending, stale, skipped)
                     pending = []
             if pending:
-                deleted += self._unlink(pending)
+                deleted += self._clear_batch(pending, stale, skipped)
         except self._errors() as e:
             self._error("clear", namespace or "all", e)
             raise OSError(f"redis clear failed after deleting {deleted} chunk object(s): "
                           f"{type(e).__name__}: {e}") from None
-        return deleted
+        return Cleared(deleted, skipped)
+
+    def _clear_batch(self, names: list[bytes], stale: bool, skipped: dict[str, int]) -> int:
+        """Read each value's prefix (one pipelined round trip), unlink the deletable ones."""
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.getrange(name, 0, PREFIX_BYTES - 1)
+        doomed = []
+        # raise_on_error=False: a value of another type (a hash, a list) answers WRONGTYPE
+        for name, head in zip(names, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(head, self._redis_mod.ConnectionError | self._redis_mod.TimeoutError):
+                raise head
+            kind = classify(head if isinstance(head, bytes) else None)
+            if deletable(kind, stale):
+                doomed.append(name)
+            elif head != b"":  # b"": gone meanwhile
+                skipped[kind] = skipped.get(kind, 0) + 1
+        return self._unlink(doomed) if doomed else 0
 
     def _is_chunk_key(self, raw: bytes | str, namespace: str | None) -> bool:
         try:

@@ -16,8 +16,8 @@
 * ``contains`` is ``HeadObject`` per key on a small thread pool.
 * :meth:`S3Tier.clear` (``kvblend clear --shared``) deletes the chunk objects of one
   namespace, or all, under the prefix: ``ListObjectsV2`` (paginated) on
-  ``<prefix>[<namespace>/]``, only keys whose rest parses as a chunk key, ``DeleteObjects``
-  up to 1000 keys a request.
+  ``<prefix>[<namespace>/]``, only keys whose rest parses as a chunk key and whose objects read
+  as our chunk objects (:mod:`tiers.ownership`), ``DeleteObjects`` up to 1000 keys a request.
 * boto3 client with ``retries={"mode": "standard"}`` (exponential backoff with jitter for
   throttling and 5xx), ``endpoint_url`` for S3-compatible stores; credentials from the
   standard AWS chain (environment, config files, instance/IRSA roles), never logged.
@@ -38,8 +38,9 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from tiers.format import PREFIX_BYTES, is_stale
+from tiers.format import PREFIX_BYTES
 from tiers.keys import ChunkKey
+from tiers.ownership import Cleared, classify, deletable
 from tiers.redact import redact_url
 from tiers.tier import Buffer
 
@@ -317,18 +318,21 @@ class S3Tier:
                 self._fail("delete", f"{len(batch)} keys", e)
         return n
 
-    def clear(self, namespace: str | None = None, *, batch: int = 1000, stale: bool = False) -> int:
-        """Delete every chunk object (of ``namespace`` when given) under this tier's prefix;
-        returns how many were deleted. Lists ``<prefix>[<namespace>/]`` with paginated
-        ``ListObjectsV2`` and removes only keys whose rest parses as a
-        :class:`~tiers.keys.ChunkKey` with ``DeleteObjects``, ``batch`` (at most 1000) keys a
-        request; other objects of the bucket stay. ``stale``: only objects that are no chunk
-        objects of this format version (:func:`tiers.format.is_stale`; one ranged GET of the
-        prefix per object).
+    def clear(self, namespace: str | None = None, *, batch: int = 1000, stale: bool = False) -> Cleared:
+        """Delete the chunk objects of ours (of ``namespace`` when given) under this tier's
+        prefix; returns how many were deleted, with what was kept
+        (:class:`~tiers.ownership.Cleared`). Lists ``<prefix>[<namespace>/]`` with paginated
+        ``ListObjectsV2``; of the keys whose rest parses as a :class:`~tiers.keys.ChunkKey`,
+        each object's first bytes are read (a ranged GET each, on the tier's thread pool) and
+        only chunk objects of this or an older format version (``stale``: only older ones) are
+        removed with ``DeleteObjects``, ``batch`` (at most 1000) keys a request: a newer-format
+        object or a foreign one stays (:func:`tiers.ownership.classify`), as does every other
+        object of the bucket.
 
         Raises:
             ValueError: ``namespace`` is not a valid key part, or ``batch`` not in 1..1000.
-            OSError: listing or deleting failed (the message says how many were deleted).
+            OSError: listing, reading or deleting failed (the message says how many were
+                deleted).
         """
         if namespace is not None:
             ChunkKey(namespace, "seg", "x")  # raises ValueError on a malformed namespace
@@ -336,28 +340,36 @@ class S3Tier:
             raise ValueError(f"batch={batch} must be in 1..1000 (the DeleteObjects limit)")
         list_prefix = self.prefix + (f"{namespace}/" if namespace is not None else "")
         deleted, failed = 0, 0
+        skipped: dict[str, int] = {}
         pending: list[str] = []
 
         def flush() -> None:
             nonlocal deleted, failed
+            heads = list(self._pool.map(self._prefix_of, pending))
+            kinds = [None if h is None else classify(h) for h in heads]  # None: gone meanwhile
+            doomed = []
+            for k, kind in zip(pending, kinds, strict=True):
+                if deletable(kind, stale):
+                    doomed.append(k)
+                elif kind is not None:
+                    skipped[kind] = skipped.get(kind, 0) + 1
+            pending.clear()
+            if not doomed:
+                return
             got = self._client.delete_objects(Bucket=self.bucket, Delete={
-                "Objects": [{"Key": k} for k in pending], "Quiet": True})
+                "Objects": [{"Key": k} for k in doomed], "Quiet": True})
             errors = got.get("Errors") or []
             for err in errors[:3]:
                 log.warning("s3 tier clear: %s not deleted: %s", err.get("Key"), err.get("Code"))
             failed += len(errors)
-            deleted += len(pending) - len(errors)
-            pending.clear()
+            deleted += len(doomed) - len(errors)
 
         try:
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=list_prefix, PaginationConfig={"PageSize": batch})
             for page in pages:
                 for obj in page.get("Contents") or []:
-                    if self._is_chunk_key(obj["Key"], namespace) and (
-                            not stale or is_stale(self._client.get_object(
-                                Bucket=self.bucket, Key=obj["Key"],
-                                Range=f"bytes=0-{PREFIX_BYTES - 1}")["Body"].read())):
+                    if self._is_chunk_key(obj["Key"], namespace):
                         pending.append(obj["Key"])
                     if len(pending) >= batch:
                         flush()
@@ -370,7 +382,22 @@ class S3Tier:
         if failed:
             self._count("errors", failed)
             raise OSError(f"s3 clear deleted {deleted} chunk object(s) but {failed} failed")
-        return deleted
+        return Cleared(deleted, skipped)
+
+    def _prefix_of(self, object_key: str) -> bytes | None:
+        """The first :data:`~tiers.format.PREFIX_BYTES` bytes of an object (b'' for an empty
+        one: S3 answers a range of it with InvalidRange; None when it is gone). Raises the
+        client's other errors."""
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=object_key,
+                                           Range=f"bytes=0-{PREFIX_BYTES - 1}")["Body"].read()
+        except self._botocore_exc.ClientError as e:
+            code = self._code(e)
+            if code in _MISSING:
+                return None
+            if code in ("InvalidRange", "416"):
+                return b""
+            raise
 
     def _is_chunk_key(self, object_key: str, namespace: str | None) -> bool:
         if not object_key.startswith(self.prefix):

@@ -36,9 +36,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from tiers.format import PREFIX_BYTES, ChunkHeader, FormatError, is_stale
+from tiers.format import PREFIX_BYTES, ChunkHeader, FormatError
 from tiers.keys import ChunkKey
 from tiers.lower import recode, shared_tiers
+from tiers.ownership import OLDER, classify
 from tiers.reader import ReadCounters, read_header, read_layers, validate_object
 from tiers.tier import Buffer, Tier
 
@@ -469,22 +470,21 @@ class TierStack:
         return sum(present)
 
     def clear(self, namespace: str | None = None, *, stale: bool = False) -> int:
-        """Delete every chunk (of ``namespace``; ``stale``: only :func:`tiers.format.is_stale`
-        objects) from the tiers that list keys (host, disk; not Redis/S3); returns how many."""
+        """Delete every chunk (of ``namespace``; ``stale``: only of an older format, :mod:`tiers.ownership`)
+        from the tiers that list keys (host, disk; not Redis/S3); returns how many."""
         n = 0
         for tier in (t for t in self.tiers if hasattr(t, "keys")):
             keys = [k for k in tier.keys() if namespace is None or k.namespace == namespace]
             if stale:
-                keys = [k for k in keys if is_stale((tier.get_ranges(k, [(0, PREFIX_BYTES)]) or [b""])[0])]
+                keys = [k for k in keys if classify((tier.get_ranges(k, [(0, PREFIX_BYTES)]) or [b""])[0]) == OLDER]
             n += self._delete_from(tier, keys)
             self._forget(keys)
         return n
 
     def _forget(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
-            for tier in self.tiers:
-                for k in keys:
-                    self._headers.pop((tier.name, k), None)
+            for entry in [(t.name, k) for t in self.tiers for k in keys]:
+                self._headers.pop(entry, None)
 
     def stats(self) -> dict[str, dict[str, float]]:
         with self._lock:

@@ -4,17 +4,20 @@
 * With ``--shared``: also the chunk objects in the shared tiers the config names (Redis under
   its key prefix, the S3 prefix), opened directly (:func:`tiers.lower.shared_tiers`), so it
   works with no shard running and even with no Ray at all. Those tiers are shared by every
-  deployment that uses them, hence the flag. Only keys that are chunk keys of ours are
-  deleted (Redis: ``SCAN MATCH <prefix>...`` + ``UNLINK``, never ``FLUSHDB``; S3: paginated
-  listing + ``DeleteObjects``); see :meth:`tiers.redis_tier.RedisTier.clear` and
+  deployment that uses them, hence the flag. Only values under chunk keys whose first bytes
+  read as our chunk objects of this or an older format version are deleted (Redis:
+  ``SCAN MATCH <prefix>...`` + ``GETRANGE`` + ``UNLINK``, never ``FLUSHDB``; S3: paginated
+  listing + a ranged GET each + ``DeleteObjects``); newer-format objects (an upgraded
+  deployment sharing the tier) and foreign values are kept and counted in the report; see
+  :mod:`tiers.ownership`, :meth:`tiers.redis_tier.RedisTier.clear` and
   :meth:`tiers.s3.S3Tier.clear`.
 * Without ``--shared``, when shared tiers are configured, one line says they were left alone.
 
 ``--namespace`` is a chunk-namespace digest (16 hex chars, the first part of a chunk key);
-without it every namespace is deleted. ``--stale`` deletes only objects that are no chunk
-objects of this format version (written before an upgrade that moved it, never read again:
-:func:`tiers.format.is_stale`; one read of each object's 16-byte prefix). Prints what was
-deleted per tier. Exit status: 0 when
+without it every namespace is deleted. ``--stale`` deletes only chunk objects of an *older*
+format version (written before an upgrade that moved it, never read again; one read of each
+object's 16-byte prefix), never a newer one. Prints what was deleted and kept per tier. Exit
+status: 0 when
 everything asked for was cleared; 1 when a shared tier failed, or nothing could be cleared
 (no shard reachable and, without ``--shared``, nothing else to do).
 """
@@ -36,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prefix, the S3 bucket prefix), which every deployment using them shares; "
                         "works without running shards or Ray. Without it Redis and S3 are left alone")
     p.add_argument("--stale", action="store_true",
-                   help="only objects of another chunk format version (written before an upgrade; "
-                        "never read again), keeping every current chunk")
+                   help="only chunk objects of an older format version (written before an upgrade; "
+                        "never read again), keeping every current chunk and any newer-format one")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.cluster.ray_address == "local":
         raise ValueError("--address local starts a new empty Ray; give the running cluster's host:port")
     what = f" of namespace {args.namespace}" if args.namespace else ""
-    what += " of another format version" if args.stale else ""
+    what += " of an older format version" if args.stale else ""
     shards_ok = _clear_shards(cfg, args.namespace, what, args.shared, args.stale)
     configured = [name for name, url in (("redis", cfg.tiers.redis_url), ("s3", cfg.tiers.s3_url)) if url]
     if not args.shared:
@@ -112,7 +115,8 @@ def _clear_shared(cfg, namespace: str | None, what: str, configured: list[str], 
             continue
         finally:
             tier.close()
-        print(f"{tier.name} ({where}): deleted {n} chunk object(s){what}")
+        kept = n.describe_skipped() if hasattr(n, "describe_skipped") else ""
+        print(f"{tier.name} ({where}): deleted {n} chunk object(s){what}{kept}")
     return ok
 
 

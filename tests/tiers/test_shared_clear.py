@@ -111,30 +111,29 @@ def test_shared_tiers_do_not_list_keys():
     assert not hasattr(RedisTier, "keys") and not hasattr(S3Tier, "keys")
 
 
-# -- --stale: only objects of another chunk format version (or no chunk object at all) --------
-def _version_1(obj: bytes) -> bytes:
-    """``obj`` as the previous chunk format wrote it: the prefix's version field is 1."""
+# -- --stale: only objects of an older chunk format version -----------------------------------
+def _version(obj: bytes, version: int) -> bytes:
+    """``obj`` with the prefix's version field set to ``version`` (1: what the previous chunk
+    format wrote; FORMAT_VERSION + 1: what an upgraded deployment writes)."""
     import struct
 
-    return obj[:4] + struct.pack("<H", 1) + obj[6:]
+    return obj[:4] + struct.pack("<H", version) + obj[6:]
 
 
 def _fill_mixed(tier):
-    """Two current objects, two of version 1, one that is no chunk object; returns
-    ``(current keys, stale keys)``."""
+    """Two current objects, two of version 1; returns ``(current keys, stale keys)``."""
     kv = make_kv()
     current = [make_key(300 + i, namespace=NS_A) for i in range(2)]
-    stale = [make_key(400 + i, namespace=NS_A) for i in range(3)]
+    stale = [make_key(400 + i, namespace=NS_A) for i in range(2)]
     for k in current:
         assert tier.put(k, make_object(k, kv))
-    for k in stale[:2]:
-        assert tier.put(k, _version_1(make_object(k, kv)))
-    assert tier.put(stale[2], b"not a chunk object at all")
+    for k in stale:
+        assert tier.put(k, _version(make_object(k, kv), 1))
     return current, stale
 
 
 @pytest.mark.parametrize("kind", ["redis", "s3", "disk"])
-def test_clear_stale_deletes_only_other_versions_and_keeps_current_chunks(kind, private_redis, s3_endpoint, tmp_path):
+def test_clear_stale_deletes_only_older_versions_and_keeps_current_chunks(kind, private_redis, s3_endpoint, tmp_path):
     from tiers.disk import DiskTier
     from tiers.host import HostTier
     from tiers.stack import TierStack
@@ -150,7 +149,58 @@ def test_clear_stale_deletes_only_other_versions_and_keeps_current_chunks(kind, 
         tier = DiskTier(str(tmp_path), 1 << 20, fsync=False)
         clear = TierStack([HostTier(1 << 20), tier], write_down=()).clear
     current, stale = _fill_mixed(tier)
-    assert clear(stale=True) == 3
-    assert tier.contains(current) == [True, True] and tier.contains(stale) == [False] * 3
+    assert clear(stale=True) == 2
+    assert tier.contains(current) == [True, True] and tier.contains(stale) == [False] * 2
     assert clear(stale=True) == 0
-    assert clear() == 2  # without --stale: everything
+    assert clear() == 2  # without --stale: every chunk object of ours
+
+
+def _plant_others(kind, tier, raw):
+    """Under ``tier``'s prefix, at keys that parse as chunk keys: a newer-format chunk object (an
+    upgraded deployment sharing the store) and two foreign values (one shorter than a chunk
+    prefix, one that merely has a chunk-like key); returns ``{key: value}``."""
+    from tiers.keys import FORMAT_VERSION
+
+    newer, short, foreign = (make_key(600 + i, namespace=NS_A) for i in range(3))
+    values = {newer: _version(make_object(newer, make_kv()), FORMAT_VERSION + 1),
+              short: b"KVBC", foreign: b"a value of someone else's, 32 bytes or more......"}
+    for k, v in values.items():
+        if kind == "redis":
+            raw.set(f"{tier.key_prefix}{k}", v)
+        else:
+            raw.put_object(Bucket=tier.bucket, Key=f"{tier.prefix}{k}", Body=v)
+    return values
+
+
+def _stored(kind, tier, raw, key):
+    if kind == "redis":
+        return raw.get(f"{tier.key_prefix}{key}")
+    return raw.get_object(Bucket=tier.bucket, Key=f"{tier.prefix}{key}")["Body"].read()
+
+
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_clear_and_clear_stale_keep_newer_formats_and_foreign_values(kind, private_redis, s3_endpoint):
+    """#37: ``clear --stale`` deleted newer-format objects and any value under a chunk-like key;
+    plain ``clear --shared`` deleted foreign values without reading them."""
+    if kind == "redis":
+        server = private_redis()
+        tier, raw = RedisTier(server.url), redis.Redis.from_url(server.url)
+        raw.hset(f"{tier.key_prefix}{make_key(700, namespace=NS_A)}", "f", "v")  # not a string
+    else:
+        endpoint, bucket = s3_endpoint
+        tier = S3Tier(f"s3://{bucket}/own{uuid.uuid4().hex[:8]}", endpoint_url=endpoint, region="us-east-1")
+        raw = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        raw.put_object(Bucket=bucket, Key=f"{tier.prefix}{make_key(700, namespace=NS_A)}", Body=b"")
+    current, stale = _fill_mixed(tier)
+    others = _plant_others(kind, tier, raw)
+
+    got = tier.clear(stale=True)
+    assert got == 2 and got.skipped == {"current": 2, "newer": 1, "foreign": 3}
+    assert "kept 2 current object(s), 3 foreign value(s), 1 newer-format object(s)" in got.describe_skipped()
+    got = tier.clear(NS_A)
+    assert got == 2 and got.skipped == {"newer": 1, "foreign": 3}
+    assert tier.contains(current + stale) == [False] * 4
+    for k, v in others.items():
+        assert _stored(kind, tier, raw, k) == v
+    assert tier.clear() == 0
+    tier.close()

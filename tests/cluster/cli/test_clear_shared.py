@@ -11,6 +11,7 @@ import redis
 
 from cluster.cli.main import main
 from tests.factories import make_key, make_kv, make_object
+from tiers.keys import FORMAT_VERSION
 from tiers.redis_tier import RedisTier
 from tiers.s3 import S3Tier
 
@@ -89,17 +90,21 @@ def test_clear_stale_shared_deletes_only_objects_of_another_format_version(share
 
     h = shared
     old = [make_key(500 + i, namespace=NS_A) for i in range(2)]  # what the previous format wrote
+    newer = make_key(600, namespace=NS_A)  # an upgraded deployment's, sharing the tiers
     for tier in (h.redis, h.s3):
         for k in old:
             obj = make_object(k, make_kv())
             assert tier.put(k, obj[:4] + struct.pack("<H", 1) + obj[6:])
+        obj = make_object(newer, make_kv())
+        assert tier.put(newer, obj[:4] + struct.pack("<H", FORMAT_VERSION + 1) + obj[6:])
     assert main([*h.argv, "--stale", "--shared"]) == 0
     out = capsys.readouterr().out
-    assert "redis (key prefix 'kvblend:'): deleted 2 chunk object(s) of another format version" in out
-    assert "deleted 2 chunk object(s) of another format version" in out.split("s3 (", 1)[1]
+    assert ("redis (key prefix 'kvblend:'): deleted 2 chunk object(s) of an older format version; "
+            "kept 5 current object(s), 1 newer-format object(s)") in out
+    assert "deleted 2 chunk object(s) of an older format version" in out.split("s3 (", 1)[1]
     for tier in (h.redis, h.s3):
         assert tier.contains(old) == [False] * 2
-        assert tier.contains(h.a + h.b) == [True] * 5  # every current chunk stays
+        assert tier.contains(h.a + h.b + [newer]) == [True] * 6  # every current chunk stays
     _unrelated_kept(h)
 
 
