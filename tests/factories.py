@@ -29,7 +29,7 @@ import torch
 
 from tiers.codec import encode_kv
 from tiers.format import rewrite_header
-from tiers.keys import ChunkKey, Namespace, segment_key
+from tiers.keys import ChunkKey, Namespace, prefix_keys, segment_key
 
 if TYPE_CHECKING:
     from blend.adapters.hf import HFModelAdapter
@@ -52,6 +52,12 @@ def make_namespace(model_id: str = "tiny", num_layers: int = 3, num_kv_heads: in
 def make_key(seed: int = 0, namespace: str = NAMESPACE) -> ChunkKey:
     """The segment key of the tokens ``[seed, seed + 1, seed + 2]``."""
     return segment_key(namespace, [seed, seed + 1, seed + 2])
+
+
+def make_prefix_key(seed: int = 0, namespace: str = NAMESPACE) -> ChunkKey:
+    """The first prefix-chunk key of the tokens ``[seed, seed + 1, seed + 2]`` (a chunk whose
+    KV may sit at any positions; a segment's is canonical, ``0..T-1``)."""
+    return prefix_keys(namespace, [seed, seed + 1, seed + 2], 3)[0]
 
 
 def make_kv(seed: int = 0, *, num_layers: int = 3, num_tokens: int = 8, num_kv_heads: int = 2,

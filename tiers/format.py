@@ -46,7 +46,7 @@ import numpy as np
 import xxhash
 
 from tiers import auth
-from tiers.keys import FORMAT_VERSION, ChunkKey
+from tiers.keys import FORMAT_VERSION, SEGMENT, ChunkKey
 
 MAGIC = b"KVBC"
 _PREFIX = struct.Struct("<4sHHII")
@@ -239,7 +239,10 @@ def parse_header(buf: bytes | memoryview, expected_key: ChunkKey | None = None) 
 
     Raises:
         FormatError: truncated, corrupted, another version, sizes inconsistent or over the
-            limits, or (with ``expected_key``) a header naming another key or namespace.
+            limits (an lz4 layer longer than its raw size, an offset past the end of the object
+            the header describes), position runs that are not canonical (adjacent runs unmerged;
+            a segment's other than ``[[0, num_tokens]]``), or (with ``expected_key``) a header
+            naming another key or namespace.
     """
     header_len = parse_prefix(buf)
     end = PREFIX_BYTES + header_len
@@ -329,13 +332,25 @@ def _check_sizes(header: ChunkHeader) -> None:
         raise FormatError("malformed position runs")
     if sum(length for _, length in header.positions) != header.num_tokens:
         raise FormatError("positions do not cover num_tokens")
+    # canonical runs, as positions_to_runs writes them: no run starts where the one before
+    # ended; a segment's KV is canonical (computed alone at 0..T-1), so its runs are [[0, T]]
+    if any(a + n == b for (a, n), (b, _) in zip(header.positions, header.positions[1:], strict=False)):
+        raise FormatError("non-canonical position runs")
+    if header.key.split("/")[1:2] == [SEGMENT] and header.positions != ((0, header.num_tokens),):
+        raise FormatError(f"non-canonical position runs of a segment: {list(header.positions[:3])}")
+    # offsets within the object the header describes: header, then the stored layers
+    length = header.header_end + sum(e.stored_len for e in header.layers)
     for i, e in enumerate(header.layers):
         if e.raw_len != header.layer_nbytes or e.codec not in (CODEC_RAW, CODEC_LZ4) or e.offset < header.header_end:
             raise FormatError("inconsistent layer entry")
         if e.codec == CODEC_RAW and e.stored_len != e.raw_len:
             raise FormatError("inconsistent raw layer length")
-        if not 0 < e.stored_len <= MAX_LAYER_BYTES or e.raw_len > MAX_LZ4_EXPANSION * e.stored_len + 64:
+        # an lz4 layer is stored only where it shrinks (MIN_LZ4_RATIO): its scratch is at most
+        # the raw size the shape allows, never what stored_len claims beyond it
+        if not 0 < e.stored_len <= e.raw_len or e.raw_len > MAX_LZ4_EXPANSION * e.stored_len + 64:
             raise FormatError(f"layer {i}: implausible lengths {e.stored_len}/{e.raw_len}")
+        if e.offset + e.stored_len > length:
+            raise FormatError(f"layer {i}: offset {e.offset} past the object's {length} bytes")
 
 
 def decode_layer(header: ChunkHeader, layer_idx: int, payload: bytes | memoryview,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.factories import make_key, make_kv, make_object
+from tests.factories import make_key, make_kv, make_object, make_prefix_key
 from tiers.gpu import GpuTier
 from tiers.host import HostTier
 
@@ -36,7 +36,7 @@ def _exercise_gpu_tier(device: str) -> None:
         tier.put(make_key(9), kv[0])
     # load from a byte tier (lz4 object, shifted positions) bit-exactly
     host = HostTier(1 << 20)
-    key = make_key(42)
+    key = make_prefix_key(42)  # a prefix chunk: a segment's positions are canonical
     src = make_kv(seed=7, compressible=True)
     host.put(key, make_object(key, src, compress=True, positions=range(5, 13)))
     fresh = GpuTier(1 << 20, device=device)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.factories import NAMESPACE, make_key, returns_within, shard_kv
+from tests.factories import NAMESPACE, make_key, make_prefix_key, returns_within, shard_kv
 
 
 @pytest.mark.cluster
@@ -28,7 +28,7 @@ def test_agent_round_trip_then_lost_agent_falls_back_and_reconnects(kvconfig, sh
         assert client.up, "the first agent starts within the constructor"
         pid = client._link.pid
         assert pid != os.getpid()
-        keys = [make_key(97300 + i) for i in range(5)]
+        keys = [make_prefix_key(97300 + i) for i in range(5)]  # segments' positions are canonical
         kvs = [shard_kv(i, num_tokens=6 + i) for i in range(5)]
         for k, kv in zip(keys, kvs, strict=True):
             client.put(k, kv, positions=range(3, 3 + kv.shape[2]))

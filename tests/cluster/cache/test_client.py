@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.factories import NAMESPACE, make_key, shard_kv
+from tests.factories import NAMESPACE, make_key, make_prefix_key, shard_kv
 
 pytestmark = pytest.mark.cluster
 
@@ -50,7 +50,7 @@ def test_put_lookup_fetch_round_trip(client):
 
 
 def test_positions_survive(client):
-    k = make_key(200)
+    k = make_prefix_key(200)  # a prefix chunk: a segment's positions are canonical
     kv = shard_kv(7, num_tokens=5)
     client.put(k, kv, positions=[10, 11, 12, 30, 31])
     assert client.flush(30)
