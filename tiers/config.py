@@ -52,6 +52,9 @@ class TiersConfig:
     s3_endpoint_url: str = _f(
         "", "endpoint of an S3-compatible store ('' = AWS default)")
     s3_region: str = _f("", "S3 region ('' = from the standard AWS chain)")
+    max_object_mib: float = _f(
+        0.0, "MiB a chunk object read whole from Redis or S3 may have; a longer one is a miss counted in oversized, found before it is read (0 = no fixed cap: each read is bounded by the object its header describes, its layers of [2, tokens, KV heads, head dim] in its dtype, and Redis's by its proto-max-bulk-len)",
+        (0.0, 1048576.0))
     compression: str = _f(
         "lz4", "compression of chunk layers below memory (disk, Redis, S3); a layer that does not shrink by 1.1x is stored raw",
         choices=("lz4", "none"))

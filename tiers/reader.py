@@ -26,8 +26,9 @@ Every tier serves bytes; this module is where they become trusted KV, once, for 
 
 Failure behaviour: a missing object, an I/O error or timeout of the tier, or anything
 :class:`~tiers.format.FormatError` covers (truncated, flipped byte, foreign namespace, newer
-version, lz4 garbage) is a miss: functions return ``None`` and count it in the
-:class:`ReadCounters` given (``misses`` / ``corrupt``). Only caller mistakes raise
+version, lz4 garbage, a length or offset past what the header describes) is a miss: functions
+return ``None`` and count it in the :class:`ReadCounters` given (``misses`` / ``corrupt``; a
+``MemoryError`` on any read path: ``oversized``). Only caller mistakes raise
 (``ValueError`` for a read-only output buffer or mismatched argument lengths). On a miss the output
 buffers' contents are unspecified (possibly partly written); never use them.
 """
@@ -56,13 +57,18 @@ from tiers.tier import Buffer, Tier
 log = logging.getLogger(__name__)
 
 
+#: bytes a stream read skips at a time (the gaps between wanted layers), never more at once
+_SKIP_BYTES = 1 << 20
+
+
 class ReadCounters:
-    """Thread-safe counters of reads: ``hits``, ``misses`` (absent or tier error) and
-    ``corrupt`` (present but rejected by the format checks)."""
+    """Thread-safe counters of reads: ``hits``, ``misses`` (absent or tier error), ``corrupt``
+    (present but rejected by the format checks) and ``oversized`` (larger than the bound of a
+    whole-object read, or memory for it could not be had: a ``MemoryError``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.values = {"hits": 0, "misses": 0, "corrupt": 0}
+        self.values = {"hits": 0, "misses": 0, "corrupt": 0, "oversized": 0}
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -92,7 +98,11 @@ def read_header(tier: Tier, key: ChunkKey, counters: ReadCounters | None = None)
         header = checked(key)
         if header is not None:
             return header
-    buf = _head(tier, key, HEADER_PROBE_BYTES)
+    try:
+        buf = _head(tier, key, HEADER_PROBE_BYTES)
+    except MemoryError:
+        _out_of_memory(tier, key, counters)
+        return None
     if buf is None or len(buf) == 0:
         _count(counters, "misses")
         return None
@@ -113,6 +123,40 @@ def read_header(tier: Tier, key: ChunkKey, counters: ReadCounters | None = None)
         log.debug("%s: rejected header of %s: %s", getattr(tier, "name", tier), key, e)
         _count(counters, "corrupt")
         return None
+    except MemoryError:
+        _out_of_memory(tier, key, counters)
+        return None
+
+
+def read_object(tier: Tier, key: ChunkKey, counters: ReadCounters | None = None,
+                *, header: ChunkHeader | None = None) -> tuple[Buffer, ChunkHeader] | None:
+    """``key``'s whole object from ``tier``, checked whole (:func:`validate_object`), with its
+    header; None on a miss (counted). A tier that takes a bound (``max_object_bytes``: Redis,
+    S3) is asked for no more than the object its header describes (``header``, else one
+    probe, :func:`read_header`): its layers of ``[2, T, H, D]`` at the dtype's size, plus the
+    header; a longer value is a miss (counted in ``misses`` here and in the tier's
+    ``oversized``), found before the value is read, never allocated. A ``MemoryError``
+    counts ``oversized``."""
+    bounded = getattr(tier, "max_object_bytes", None) is not None
+    try:
+        if bounded:
+            if header is None:
+                header = read_header(tier, key, counters)
+            if header is None:
+                return None
+            obj = tier.get(key, max_bytes=header.total_bytes)
+        else:
+            obj = tier.get(key)
+        if obj is None:
+            _count(counters, "misses")  # absent, an error, or over the bound (the tier's count)
+            return None
+        return obj, validate_object(obj, key)
+    except FormatError as e:
+        log.debug("%s: rejected %s: %s", getattr(tier, "name", tier), key, e)
+        _count(counters, "corrupt")
+    except MemoryError:
+        _out_of_memory(tier, key, counters)
+    return None
 
 
 def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequence[Buffer],
@@ -198,13 +242,17 @@ def read_layers(tier: Tier, key: ChunkKey, layer_idxs: Sequence[int], outs: Sequ
         _count(counters, "corrupt")
         return None
     except MemoryError:
-        # scratch for lz4 layers (up to MAX_LAYER_BYTES each) could not be had: a miss, the
+        # buffers for the layers (up to MAX_LAYER_BYTES each) could not be had: a miss, the
         # request recomputes; never an exception into the caller's engine
-        log.warning("%s: out of memory reading %s: treated as a miss", getattr(tier, "name", tier), key)
-        _count(counters, "misses")
+        _out_of_memory(tier, key, counters)
         return None
     _count(counters, "hits")
     return header
+
+
+def _out_of_memory(tier, key: ChunkKey, counters: ReadCounters | None) -> None:
+    log.warning("%s: out of memory reading %s: treated as a miss", getattr(tier, "name", tier), key)
+    _count(counters, "oversized")
 
 
 class _Missing(Exception):
@@ -257,10 +305,23 @@ def _read_exact(stream, view: memoryview) -> None:
         filled += n
 
 
+def _skip(stream, nbytes: int) -> None:
+    """Read and drop ``nbytes`` of ``stream``, :data:`_SKIP_BYTES` at a time at most."""
+    scratch = memoryview(bytearray(min(nbytes, _SKIP_BYTES)))
+    while nbytes > 0:
+        n = min(nbytes, scratch.nbytes)
+        _read_exact(stream, scratch[:n])
+        nbytes -= n
+
+
 def _read_stream(tier: Tier, opener, key: ChunkKey, layer_idxs: Sequence[int],
                  views: Sequence[memoryview], counters: ReadCounters | None) -> ChunkHeader | None:
     """Whole-object stream: prefix, header, then every layer up to the last wanted one in
-    order (raw layers straight into the caller's buffers, others into scratch)."""
+    order (raw layers straight into the caller's buffers, others into scratch of at most the
+    layer's raw size: :func:`~tiers.format.parse_header` bounds every length and offset). A
+    stream that states its length (``length``: S3's ContentLength) must be the object its
+    header describes; gaps are skipped in bounded pieces. Misses are counted (a
+    ``MemoryError``: ``oversized``)."""
     stream = opener(key)
     if stream is None:
         _count(counters, "misses")
@@ -271,6 +332,9 @@ def _read_stream(tier: Tier, opener, key: ChunkKey, layer_idxs: Sequence[int],
         rest = bytearray(parse_prefix(prefix))
         _read_exact(stream, memoryview(rest))
         header = parse_header(bytes(prefix) + rest, expected_key=key)
+        length = getattr(stream, "length", None)
+        if length is not None and length != header.total_bytes:
+            raise FormatError(f"object has {length} bytes, header says {header.total_bytes}")
         if not _fits(tier, key, header, views, counters):
             return None
         if any(not 0 <= i < header.num_layers for i in layer_idxs):
@@ -282,17 +346,17 @@ def _read_stream(tier: Tier, opener, key: ChunkKey, layer_idxs: Sequence[int],
                 break
             if e.offset < pos:
                 raise FormatError(f"layer {i} overlaps the previous one")
-            if e.offset > pos:
-                _read_exact(stream, memoryview(bytearray(e.offset - pos)))
+            _skip(stream, e.offset - pos)
             out = wanted.pop(i, None)
             if out is not None and e.codec == CODEC_RAW:
                 _read_exact(stream, out)
                 check_payload(header, i, out)
-            else:
+            elif out is not None:
                 scratch = bytearray(e.stored_len)
                 _read_exact(stream, memoryview(scratch))
-                if out is not None:
-                    decode_layer(header, i, scratch, out)
+                decode_layer(header, i, scratch, out)
+            else:
+                _skip(stream, e.stored_len)
             pos = e.offset + e.stored_len
     except FormatError as e:
         log.debug("%s: rejected %s: %s", getattr(tier, "name", tier), key, e)
@@ -302,6 +366,9 @@ def _read_stream(tier: Tier, opener, key: ChunkKey, layer_idxs: Sequence[int],
         log.debug("%s: stream of %s failed: %s", getattr(tier, "name", tier), key, e)
         _count(counters, "misses")
         return None
+    except MemoryError:
+        _out_of_memory(tier, key, counters)
+        return None
     finally:
         stream.close()
     _count(counters, "hits")
@@ -310,12 +377,17 @@ def _read_stream(tier: Tier, opener, key: ChunkKey, layer_idxs: Sequence[int],
 
 def read_layer(tier: Tier, key: ChunkKey, layer_idx: int, *, header: ChunkHeader | None = None,
                counters: ReadCounters | None = None) -> tuple[ChunkHeader, bytearray] | None:
-    """One layer into a fresh ``bytearray`` (``[2, T, H, D]`` raw bytes), or None."""
+    """One layer into a fresh ``bytearray`` (``[2, T, H, D]`` raw bytes), or None (a miss,
+    counted; memory for the layer that cannot be had: ``oversized``)."""
     if header is None:
         header = read_header(tier, key, counters)
         if header is None:
             return None
-    out = bytearray(header.layer_nbytes)
+    try:
+        out = bytearray(header.layer_nbytes)
+    except MemoryError:
+        _out_of_memory(tier, key, counters)
+        return None
     if read_layers(tier, key, [layer_idx], [out], header=header, counters=counters) is None:
         return None
     return header, out

@@ -19,7 +19,10 @@
   connection opens; their contents are never logged.
 * A value larger than the server's ``proto-max-bulk-len`` (read once with ``CONFIG GET``;
   512 MiB by default) is refused before sending: logged with both sizes, counted in
-  ``stats()['too_large']`` and ``put`` returns False.
+  ``stats()['too_large']`` and ``put`` returns False. A whole-object read never takes more
+  than ``max_object_bytes`` (that same limit by default) or the bound its caller gives
+  (:func:`tiers.reader.read_object`: the object its header describes): ``STRLEN`` first, a
+  longer value is a miss counted in ``stats()['oversized']``.
 
 Failure behaviour: every command runs with ``socket_timeout=timeout_s`` (connect too). A
 timeout, a refused connection, a failed TLS handshake (unknown CA, a client certificate the
@@ -67,9 +70,11 @@ class RedisTier:
         tls_cert_file: PEM client certificate (``rediss://`` only; '' = none), for a server
             with ``tls-auth-clients yes``.
         tls_key_file: PEM private key of ``tls_cert_file`` ('' = none or inside it).
+        max_object_bytes: the most bytes a whole-object :meth:`get` reads (0 = the server's
+            ``proto-max-bulk-len``); a longer value is a miss counted in ``oversized``.
 
     Raises:
-        ValueError: a malformed URL, negative ttl or non-positive timeout; a TLS file with a
+        ValueError: a malformed URL, negative ttl or max_object_bytes or non-positive timeout; a TLS file with a
             URL that is not ``rediss://``, a key without a certificate, or a TLS file that
             cannot be read (the message names the parameter and the path, never a file's
             contents or the URL's password).
@@ -78,7 +83,7 @@ class RedisTier:
     def __init__(self, url: str, ttl_s: int = 0, timeout_s: float = 5.0, *,
                  key_prefix: str = "kvblend:", max_connections: int = 32,
                  name: str = "redis", tls_ca_file: str = "", tls_cert_file: str = "",
-                 tls_key_file: str = "") -> None:
+                 tls_key_file: str = "", max_object_bytes: int = 0) -> None:
         import redis  # heavy-ish; only deployments with a Redis tier pay for it
 
         if ttl_s < 0:
@@ -96,6 +101,10 @@ class RedisTier:
                 max_connections=max_connections, retry_on_timeout=False, **tls)
         except ValueError as e:  # the message may quote the URL: never its password
             raise ValueError(f"redis url {redact_url(url)!r} is malformed: {redact_text(str(e), url)}") from None
+        if max_object_bytes < 0:
+            raise ValueError(f"max_object_bytes={max_object_bytes} must be >= 0")
+        #: the most bytes a whole-object read takes (0: the server's proto-max-bulk-len)
+        self.max_object_bytes = int(max_object_bytes)
         self._max_bulk: int | None = None
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(_COUNTERS, 0)
@@ -103,10 +112,12 @@ class RedisTier:
     @classmethod
     def from_config(cls, cfg) -> RedisTier:
         """From a :class:`tiers.config.TiersConfig` (``redis_url``, ``redis_ttl_s``,
-        ``io_timeout_s``, ``redis_tls_ca_file``, ``redis_tls_cert_file``, ``redis_tls_key_file``)."""
+        ``io_timeout_s``, ``redis_tls_ca_file``, ``redis_tls_cert_file``, ``redis_tls_key_file``,
+        ``max_object_mib``)."""
         return cls(cfg.redis_url, cfg.redis_ttl_s, cfg.io_timeout_s,
                    tls_ca_file=cfg.redis_tls_ca_file, tls_cert_file=cfg.redis_tls_cert_file,
-                   tls_key_file=cfg.redis_tls_key_file)
+                   tls_key_file=cfg.redis_tls_key_file,
+                   max_object_bytes=int(cfg.max_object_mib * 2**20))
 
     def _rkey(self, key: ChunkKey) -> str:
         return f"{self.key_prefix}{key}"
@@ -172,20 +183,20 @@ class RedisTier:
         return True
 
     def get(self, key: ChunkKey, max_bytes: int | None = None) -> bytes | None:
-        """The whole value, or None (missing, an error). With ``max_bytes``, a value longer
-        than that is a miss counted in ``oversized``, found before it is read: ``STRLEN`` and
-        a ``GETRANGE`` of at most ``max_bytes`` bytes in one pipelined round trip."""
-        if max_bytes is None:
-            try:
-                data = self._client.get(self._rkey(key))
-            except self._errors() as e:
-                self._error("get", key, e)
-                return None
-            self._record(data)
-            return data
-        if max_bytes <= 0:
+        """The whole value, or None (missing, an error). Every read is bounded: a value longer
+        than ``max_bytes`` (when given) or than :attr:`max_object_bytes` (0: the server's
+        ``proto-max-bulk-len``, the largest value a put could have stored) is a miss counted in
+        ``oversized``, found before it is read: ``STRLEN`` and a ``GETRANGE`` of at most the
+        bound in one pipelined round trip, so nothing larger is ever allocated.
+
+        Raises:
+            ValueError: ``max_bytes`` is not positive.
+        """
+        if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes} must be positive")
         try:
+            cap = self.max_object_bytes or self.max_value_bytes()
+            max_bytes = cap if max_bytes is None else min(max_bytes, cap)
             pipe = self._client.pipeline(transaction=False)
             pipe.strlen(self._rkey(key))
             pipe.getrange(self._rkey(key), 0, max_bytes - 1)

@@ -79,23 +79,29 @@ class S3Tier:
         multipart_threshold_bytes: objects at least this large use multipart upload.
         max_workers: threads for batch ``contains`` and multipart transfers.
         name: tier name in stats.
+        max_object_bytes: the most bytes a whole-object :meth:`get` reads (0 = only the bound
+            its caller gives: :func:`tiers.reader.read_object` gives the object's own size from
+            its header); a longer object is a miss counted in ``oversized``.
 
     Raises:
-        ValueError: malformed URL or non-positive timeout/attempts.
+        ValueError: malformed URL, non-positive timeout/attempts or negative max_object_bytes.
     """
 
     def __init__(self, url: str, endpoint_url: str | None = None, region: str | None = None,
                  timeout_s: float = 5.0, *, max_attempts: int = 3,
                  multipart_threshold_bytes: int = 64 << 20, max_workers: int = 8,
-                 name: str = "s3") -> None:
+                 name: str = "s3", max_object_bytes: int = 0) -> None:
         import boto3
         import botocore.exceptions
         import urllib3.exceptions
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
-        if timeout_s <= 0 or max_attempts < 1:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0 and max_attempts={max_attempts} >= 1")
+        if timeout_s <= 0 or max_attempts < 1 or max_object_bytes < 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0, max_attempts={max_attempts} >= 1 "
+                             f"and max_object_bytes={max_object_bytes} >= 0")
+        #: the most bytes a whole-object read takes (0: only the caller's bound)
+        self.max_object_bytes = int(max_object_bytes)
         self.name = name
         self.bucket, self.prefix = parse_s3_url(url)
         self._botocore_exc = botocore.exceptions
@@ -119,8 +125,9 @@ class S3Tier:
     @classmethod
     def from_config(cls, cfg) -> S3Tier:
         """From a :class:`tiers.config.TiersConfig` (``s3_url``, ``s3_endpoint_url``,
-        ``s3_region``, ``io_timeout_s``)."""
-        return cls(cfg.s3_url, cfg.s3_endpoint_url, cfg.s3_region, cfg.io_timeout_s)
+        ``s3_region``, ``io_timeout_s``, ``max_object_mib``)."""
+        return cls(cfg.s3_url, cfg.s3_endpoint_url, cfg.s3_region, cfg.io_timeout_s,
+                   max_object_bytes=int(cfg.max_object_mib * 2**20))
 
     def _okey(self, key: ChunkKey) -> str:
         return f"{self.prefix}{key}"
@@ -199,24 +206,32 @@ class S3Tier:
         return self._client.get_object(**kwargs)
 
     def open_stream(self, key: ChunkKey) -> _Body | None:
-        """The whole object as a stream (one GetObject) with ``readinto``/``close``, or None.
+        """The whole object as a stream (one GetObject) with ``readinto``/``close`` and
+        ``length`` (its ContentLength), or None.
         The stream's read errors surface as ``OSError`` (and count in ``errors``), so one
         request serves a whole-chunk read: header, then layers straight into buffers."""
         try:
-            body = self._get(key, None)["Body"]
+            response = self._get(key, None)
         except self._errors() as e:
             self._fail("open_stream", key, e)
             return None
         self._hit(0)
-        return _Body(self, body)
+        length = response.get("ContentLength")
+        return _Body(self, response["Body"], None if length is None else int(length))
 
     def get(self, key: ChunkKey, max_bytes: int | None = None) -> bytes | None:
-        """The whole object, or None (missing, an error). With ``max_bytes``, an object longer
-        than that is a miss counted in ``oversized``, found from the response's
-        ``ContentLength`` before its body is read (the body is closed unread), or, without one,
-        after reading at most ``max_bytes + 1`` bytes."""
+        """The whole object, or None (missing, an error). An object longer than ``max_bytes``
+        (when given) or than :attr:`max_object_bytes` (when set) is a miss counted in
+        ``oversized``, found from the response's ``ContentLength`` before its body is read (the
+        body is closed unread), or, without one, after reading at most the bound + 1 bytes.
+
+        Raises:
+            ValueError: ``max_bytes`` is not positive.
+        """
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes} must be positive")
+        if self.max_object_bytes:
+            max_bytes = self.max_object_bytes if max_bytes is None else min(max_bytes, self.max_object_bytes)
         try:
             response = self._get(key, None)
             if max_bytes is not None and int(response.get("ContentLength") or 0) > max_bytes:
@@ -418,10 +433,11 @@ class S3Tier:
 
 
 class _Body:
-    """A GetObject body whose read errors are ``OSError`` (counted by the tier)."""
+    """A GetObject body whose read errors are ``OSError`` (counted by the tier); ``length``:
+    the object's ContentLength in bytes (None when the answer had none)."""
 
-    def __init__(self, tier: S3Tier, body) -> None:
-        self._tier, self._body = tier, body
+    def __init__(self, tier: S3Tier, body, length: int | None = None) -> None:
+        self._tier, self._body, self.length = tier, body, length
 
     def readinto(self, buf) -> int:
         try:

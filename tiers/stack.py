@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from tiers.format import PREFIX_BYTES, ChunkHeader, FormatError
+from tiers.header_cache import HeaderCache
 from tiers.keys import ChunkKey
 from tiers.lower import recode, shared_tiers
 from tiers.ownership import OLDER, classify
-from tiers.reader import ReadCounters, read_header, read_layers, validate_object
+from tiers.reader import ReadCounters, read_header, read_layers, read_object, validate_object
 from tiers.tier import Buffer, Tier
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class TierStack:
         self._lock = threading.RLock()
         self._pending: set[Future] = set()
         self._promoting: dict[ChunkKey, Future] = {}
-        self._headers: OrderedDict[tuple[str, ChunkKey], ChunkHeader] = OrderedDict()
+        self._headers = HeaderCache(_HEADER_CACHE)
         self.counters = ReadCounters()
         self._stats = {"write_down_failures": 0, "promotions": 0, "corrupt_deleted": 0}
         self.name = "stack"
@@ -177,20 +177,10 @@ class TierStack:
         return recode(obj, key, not (top and self.raw_top), header)
 
     def _cached_header(self, tier: Tier, key: ChunkKey) -> ChunkHeader | None:
-        with self._lock:
-            h = self._headers.get((tier.name, key))
-            if h is not None:
-                self._headers.move_to_end((tier.name, key))
-            return h
+        return self._headers.get(tier.name, key)
 
     def _cache_header(self, tier: Tier, key: ChunkKey, header: ChunkHeader | None) -> None:
-        with self._lock:
-            if header is None:
-                self._headers.pop((tier.name, key), None)
-                return
-            self._headers[(tier.name, key)] = header
-            while len(self._headers) > _HEADER_CACHE:
-                self._headers.popitem(last=False)
+        self._headers.put(tier.name, key, header)
 
     # -- writes --------------------------------------------------------------------------
     def put(self, key: ChunkKey, obj: Buffer, header: ChunkHeader | None = None) -> bool:
@@ -351,7 +341,11 @@ class TierStack:
             if header is None:
                 self.counters.add("misses")
                 return None
-            out = bytearray(header.layer_nbytes)
+            try:
+                out = bytearray(header.layer_nbytes)
+            except MemoryError:  # a miss, never an exception out of the future
+                self.counters.add("oversized")
+                return None
         view = memoryview(out).cast("B")
         return view if self.read_layers(key, [layer_idx], [view]) is not None else None
 
@@ -363,20 +357,29 @@ class TierStack:
     def find(self, key: ChunkKey) -> tuple[str, Buffer, ChunkHeader] | None:
         """As :meth:`get`, with the name of the tier it came from and its validated header:
         ``(tier name, object, header)``, or None when no tier holds a valid object."""
-        for depth, tier in enumerate(self.tiers):
-            obj = tier.get(key)
-            if obj is None:
-                continue
-            try:
-                header = validate_object(obj, key)
-            except FormatError:
+        found = self._find_from(0, key)
+        if found is None:
+            self.counters.add("misses")
+            return None
+        depth, obj, header = found
+        self.counters.add("hits")
+        if depth > 0 and self.promote:
+            self._promote(key, depth, obj)
+        return self.tiers[depth].name, obj, header
+
+    def _find_from(self, first: int, key: ChunkKey) -> tuple[int, Buffer, ChunkHeader] | None:
+        """``(depth, object, header)`` of the first tier from ``first`` down holding a valid
+        whole object (Redis/S3 read no more than the object its header describes:
+        :func:`tiers.reader.read_object`); a corrupt one met on the way is deleted."""
+        for depth in range(first, len(self.tiers)):
+            tier, local, cached = self.tiers[depth], ReadCounters(), self._cached_header(self.tiers[depth], key)
+            got = read_object(tier, key, local, header=cached)
+            if got is None and cached is not None and not local.snapshot()["corrupt"]:
+                got = read_object(tier, key, local)  # re-encoded since, maybe longer: its own header
+            if got is not None:
+                return depth, *got
+            if local.snapshot()["corrupt"]:
                 self._corrupt(tier, key)
-                continue
-            self.counters.add("hits")
-            if depth > 0 and self.promote:
-                self._promote(key, depth, obj)
-            return tier.name, obj, header
-        self.counters.add("misses")
         return None
 
     def get_ranges(self, key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[Buffer] | None:
@@ -415,19 +418,18 @@ class TierStack:
 
     def _promote_now(self, key: ChunkKey, start: int, obj: Buffer | None) -> bool:
         try:
-            src = start if obj is not None else None
-            for d in range(max(start, 1), len(self.tiers)) if obj is None else ():
-                obj = self.tiers[d].get(key)
-                if obj is not None:
-                    src = d
-                    break
-            if obj is None or src is None:
-                return False
-            try:
-                header = validate_object(obj, key)
-            except FormatError:
-                self._corrupt(self.tiers[src], key)
-                return False
+            if obj is None:
+                found = self._find_from(max(start, 1), key)
+                if found is None:
+                    return False
+                src, obj, header = found
+            else:
+                src = start
+                try:
+                    header = validate_object(obj, key)
+                except FormatError:
+                    self._corrupt(self.tiers[src], key)
+                    return False
             # raw_top off: the top tier takes the object as found, like the tiers below it
             top = self._form(obj, key, header, True) if self.raw_top else obj
             ok = True
@@ -482,9 +484,7 @@ class TierStack:
         return n
 
     def _forget(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            for entry in [(t.name, k) for t in self.tiers for k in keys]:
-                self._headers.pop(entry, None)
+        self._headers.forget([t.name for t in self.tiers], keys)
 
     def stats(self) -> dict[str, dict[str, float]]:
         with self._lock:

@@ -159,5 +159,34 @@ def test_out_of_memory_during_a_read_is_a_miss(chunk):
     header = parse_header(obj, expected_key=key)
     counters = ReadCounters()
     assert read_layers(tier, key, [0], layer_buffers(kv)[:1], header=header, counters=counters) is None
-    assert counters.values["misses"] == 1
+    assert counters.values["oversized"] == 1  # a counted miss (#37), never an exception
 
+
+class _OutOfMemoryHead(MemoryTier):
+    def head(self, key, max_bytes):
+        raise MemoryError
+
+
+class _OutOfMemoryStream(MemoryTier):
+    """A tier that serves whole-object streams (as S3 does) whose reads run out of memory."""
+
+    def open_stream(self, key):
+        class Stream:
+            def readinto(self, buf):
+                raise MemoryError
+
+            def close(self):
+                pass
+
+        return Stream() if self.contains([key])[0] else None
+
+
+@pytest.mark.parametrize("tier_cls", [_OutOfMemoryHead, _OutOfMemoryStream])
+def test_out_of_memory_on_every_read_path_is_a_counted_miss(chunk, tier_cls):
+    """#37: a MemoryError from the header probe or the S3-style stream escaped read_layers."""
+    key, obj, kv = chunk
+    tier = tier_cls(2**20)
+    tier.put(key, obj)
+    counters = ReadCounters()
+    assert read_layers(tier, key, range(kv.shape[0]), layer_buffers(kv), counters=counters) is None
+    assert counters.values["oversized"] == 1

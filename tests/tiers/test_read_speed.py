@@ -182,7 +182,7 @@ def test_disk_corrupt_layer_stops_the_read_as_a_miss(tmp_path, layer):
     disk.put(key, bytes(obj))
     counters = ReadCounters()
     assert read_layers(disk, key, range(4), layer_buffers(kv), counters=counters) is None
-    assert counters.snapshot() == {"hits": 0, "misses": 0, "corrupt": 1}
+    assert counters.snapshot() == {"hits": 0, "misses": 0, "corrupt": 1, "oversized": 0}
     with open(disk._file(key), "r+b") as fh:             # truncated on disk: a miss too
         fh.truncate(len(obj) - 5)
     counters = ReadCounters()

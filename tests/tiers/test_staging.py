@@ -115,7 +115,7 @@ def test_staged_source_decodes_lz4_layers(tmp_path):
         assert src.lookup([key])[0].num_tokens == 64
         for layer in range(2):
             assert torch.equal(src.fetch_layer([key], layer).result()[0], kv[layer])
-        assert src.read_counters.snapshot() == {"hits": 2, "misses": 0, "corrupt": 0}
+        assert src.read_counters.snapshot() == {"hits": 2, "misses": 0, "corrupt": 0, "oversized": 0}
         src.close()
 
 
