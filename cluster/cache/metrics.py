@@ -37,6 +37,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kvblend_read_errors": ("counter", "corrupted, truncated or foreign objects read (served as misses)", ("shard", "tier")),
     "kvblend_writes_dropped": ("counter", "write-downs to lower tiers dropped: the shard's write backlog was full", ("shard",)),
     "kvblend_lookup_timeouts": ("counter", "lower-tier header reads that missed lookup_timeout_s (served as misses)", ("shard",)),
+    "kvblend_oversized": ("counter", "whole-object reads of values longer than the object their header describes or max_object_mib (served as misses, never read)", ("shard", "tier")),
     "kvblend_io_timeouts": ("counter", "disk calls that ran past io_timeout_s (the tier was stalled meanwhile)", ("shard", "tier")),
     "kvblend_io_refused": ("counter", "disk calls refused as misses while a call ran past io_timeout_s", ("shard", "tier")),
     "kvblend_breaker_transitions": ("counter", "tier breaker state changes, by new state", ("shard", "tier", "state")),
@@ -70,7 +71,7 @@ def prometheus_names() -> set[str]:
 
 
 #: tier ``stats()`` counters published as ``kvblend_<name>`` counters by :meth:`ShardMetrics.tier_stats`
-_TIER_COUNTERS = ("evictions", "io_timeouts", "io_refused")
+_TIER_COUNTERS = ("evictions", "io_timeouts", "io_refused", "oversized")
 
 
 class ShardMetrics:
@@ -135,7 +136,8 @@ class ShardMetrics:
 
     def tier_stats(self, tier: str, stats: dict[str, float]) -> None:
         """Publish a tier's ``stats()``: gauges, and the deltas of :data:`_TIER_COUNTERS`
-        (evictions; the disk's ``io_timeouts``/``io_refused``) as counters."""
+        (evictions; the disk's ``io_timeouts``/``io_refused``; Redis's and S3's ``oversized``)
+        as counters."""
         if not self.enabled:
             return
         try:

@@ -224,3 +224,15 @@ def test_dropped_write_downs_are_emitted(monkeypatch, tmp_path):
         s.lower_stack.release.set()
         s._lower_lookup.close()
         stop_shard(s)
+
+
+def test_oversized_whole_reads_of_a_tier_are_a_counter_per_tier():
+    """#37: a shared tier's ``oversized`` (values over the read bound, never read) reaches the
+    shard's metrics as ``kvblend_oversized`` deltas, tagged by tier."""
+    metrics = ShardMetrics("s0", enabled=False)
+    rec = _record(metrics)
+    for seen in (0, 2, 2, 5):
+        metrics.tier_stats("redis", {"oversized": seen})
+    assert rec.of(("kvblend_oversized",)) == [("kvblend_oversized", 2.0, {"tier": "redis"}),
+                                              ("kvblend_oversized", 3.0, {"tier": "redis"})]
+    assert not rec.errors
