@@ -24,6 +24,10 @@ Every tier serves bytes; this module is where they become trusted KV, once, for 
    when they entered it; a layer whose entry (offset, length, codec, checksum) is that
    header's is copied without hashing it again (a stale or foreign header is checked).
 
+Whole objects (a promotion into host memory): :func:`read_object` asks a tier that takes a
+bound (Redis, S3) for no more than the object its header describes, so a planted value longer
+than that is a miss before it is read.
+
 Failure behaviour: a missing object, an I/O error or timeout of the tier, or anything
 :class:`~tiers.format.FormatError` covers (truncated, flipped byte, foreign namespace, newer
 version, lz4 garbage, a length or offset past what the header describes) is a miss: functions
