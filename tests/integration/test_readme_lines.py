@@ -1,4 +1,4 @@
-"""The README's `kvblend server`, `vllm serve` and LMCache-recipe lines, run verbatim (docs and code cannot drift).
+"""The README's `kvblend server` and `vllm serve` lines and docs/lmcache.md's LMCache recipe, run verbatim (docs and code cannot drift).
 
 Also ../shared/cases/separator-in-context.md through the real server: passages ingested on
 their own are hit by a chat completion whose user message is one string
@@ -24,10 +24,14 @@ pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
+#: the page holding the LMCache recipe's blocks (``lmcache-serve``)
+LMCACHE_DOC = "docs/lmcache.md"
 
 
-def readme_block(marker: str, lang: str = "bash") -> str:
-    text = (ROOT / "README.md").read_text()
+def readme_block(marker: str, lang: str = "bash", doc: str = "README.md") -> str:
+    """The ``lang`` code block between ``<!-- marker:begin -->`` and ``<!-- marker:end -->`` of
+    ``doc`` (a path from the repository root), bash continuations joined."""
+    text = (ROOT / doc).read_text()
     block = text.split(f"<!-- {marker}:begin -->", 1)[1].split(f"<!-- {marker}:end -->", 1)[0]
     code = block.split(f"```{lang}", 1)[1].split("```", 1)[0]
     return code.replace("\\\n", " ").strip() if lang == "bash" else code
@@ -96,10 +100,11 @@ def test_kvblend_status_shows_the_readme_cluster(readme_cluster):
 
 @pytest.fixture
 def readme_lmcache_vllm(readme_cluster, tmp_path):
-    """The README's LMCache recipe: its ``blending.yaml`` written to a folder, its ``vllm serve``
-    line run there as pasted (function-scoped: stopped before ``readme_vllm`` starts)."""
-    (tmp_path / "blending.yaml").write_text(readme_block("lmcache-serve", "yaml"))
-    line = readme_block("lmcache-serve")
+    """The LMCache recipe (docs/lmcache.md, linked from the README): its ``blending.yaml``
+    written to a folder, its ``vllm serve`` line run there as pasted (function-scoped: stopped
+    before ``readme_vllm`` starts)."""
+    (tmp_path / "blending.yaml").write_text(readme_block("lmcache-serve", "yaml", doc=LMCACHE_DOC))
+    line = readme_block("lmcache-serve", doc=LMCACHE_DOC)
     assert line.startswith("LMCACHE_CONFIG_FILE=blending.yaml vllm serve ")
     port = int(re.search(r"--port (\d+)", line).group(1))
     with http_server(["bash", "-c", line], _env(), tmp_path / "serve.log", port, ready_s=400,
@@ -110,7 +115,7 @@ def readme_lmcache_vllm(readme_cluster, tmp_path):
 def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path):
     """Issue 21: LMCache's documented blend flow (examples/blend_kv_v1: ``blending.yaml``
     through ``LMCACHE_CONFIG_FILE``, ``blend_online_client.py`` over the OpenAI completions
-    API) hits through the README's ``vllm serve --tokenizer-mode kvblend``: precompute
+    API) hits through docs/lmcache.md's ``vllm serve --tokenizer-mode kvblend``: precompute
     ``sys # # chunk1``, ``chunk2`` and ``chunk3``, then ``sys # # chunk2 # # chunk1 # # chunk3
     # # question`` as one string hits the system prompt and all three chunks, and at ratio 1.0
     answers as full prefill does; the same prompt tokenized as one string misses chunks; a
