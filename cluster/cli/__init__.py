@@ -3,6 +3,6 @@ their shared connection flags.
 
 `main` builds the parser from a table of commands (each module exposes ``add_arguments``
 and ``run``); `server`, `status`, `stop` and `clear` administer the Ray-hosted cache;
-`config_show` prints the effective config; `docs` regenerates the README's config table.
+`config_show` prints the effective config; `docs` regenerates the config table of docs/configuration.md.
 Workload and benchmark commands live in :mod:`cluster.workloads` and :mod:`cluster.bench`.
 """

@@ -1,6 +1,7 @@
-"""Generated parts of the README (kept in sync by a test): the config table.
+"""Generated parts of the docs (kept in sync by a test): the config table.
 
-``python -m cluster.cli.docs`` rewrites the block between the markers in README.md.
+``python -m cluster.cli.docs`` rewrites the block between the markers in docs/configuration.md
+(the README links it).
 """
 
 from __future__ import annotations
@@ -40,20 +41,20 @@ def config_table() -> str:
     return "\n".join(lines)
 
 
-def render(readme: str) -> str:
-    if BEGIN not in readme or END not in readme:
-        raise ValueError("README.md lacks the config-table markers")
-    head, rest = readme.split(BEGIN, 1)
+def render(page: str) -> str:
+    if BEGIN not in page or END not in page:
+        raise ValueError("docs/configuration.md lacks the config-table markers")
+    head, rest = page.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{config_table()}\n{END}{tail}"
 
 
-#: the README this module rewrites (cluster/cli/docs.py -> the repository root)
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+#: the page this module rewrites (cluster/cli/docs.py -> the repository root)
+CONFIG_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def main() -> int:
-    path = README
+    path = CONFIG_DOC
     path.write_text(render(path.read_text()))
     return 0
 
