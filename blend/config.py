@@ -5,7 +5,7 @@ ratio 0.15, min tokens 256) and the separator measured in
 ../shared/cases/separator-in-context.md (a newline-delimited separator keeps BPE merges from
 crossing segment boundaries), except the token selection: ``query_attention`` recovers more
 of full prefill's quality than CacheBlend's K deviation at the same ratio on both shared QA
-sets (README, "Benchmarks"; LMCache configurations keep ``k_deviation``).
+sets (docs/benchmarks.md; LMCache configurations keep ``k_deviation``).
 """
 
 from __future__ import annotations

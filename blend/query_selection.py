@@ -50,7 +50,7 @@ MASS_BLOCK_ELEMENTS = 1 << 24
 def default_probe_layers(num_layers: int) -> tuple[int, ...]:
     """The layers at 1/4, 3/8 and 1/2 of the model's depth (distinct, ascending, rounded half to
     even): SmolLM2-135M's 30 layers give (8, 11, 15). Chosen against later and wider sets by
-    ``kvblend bench blend`` (README, "Query-aware selection")."""
+    ``kvblend bench blend`` (docs/benchmarks.md, "CPU")."""
     picks = {max(0, min(num_layers - 1, round(num_layers * f))) for f in (0.25, 0.375, 0.5)}
     return tuple(sorted(picks))
 

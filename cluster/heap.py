@@ -11,7 +11,7 @@ after every load): the heap in use stayed at ~1.05 GiB, the tensors and Python o
 constant, while the free memory the arenas kept wandered between 0.28 and 0.80 GiB (that
 soak's larger growth, +3 GiB, was another cause: layers held in reference cycles until a full
 collection, fixed in :mod:`cluster.vllm.worker_source`). With both, the worker's RSS at rest
-was x1.00 after a 30-minute soak (README, Faults). The cache agent receives each stored
+was x1.00 after a 30-minute soak (docs/benchmarks.md, Faults). The cache agent receives each stored
 chunk's KV as one buffer of a few MiB and queues those buffers while a slow or stopped shard
 holds its puts: in the soak of 2026-12-03 its main heap kept +52 MiB freed that way from a
 shard_sigstop phase on (``/proc/PID/smaps``: the ``[heap]`` mapping; ``malloc_trim(0)`` called

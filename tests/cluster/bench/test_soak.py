@@ -1,7 +1,7 @@
 """cluster.bench.faults.soak on a stand-in rig: what the 30-minute soak of issue 20 reports
 (failed and wrong requests summed over every phase, each process's RSS at the end against its
 baseline after the warm-up) and when it reads memory (after warm-up rounds of every fault until
-no process's shared memory grows, and at rest). The real soak: ``kvblend bench faults --soak 1800`` (README, Faults)."""
+no process's shared memory grows, and at rest). The real soak: ``kvblend bench faults --soak 1800`` (docs/benchmarks.md, Faults)."""
 
 from __future__ import annotations
 
