@@ -12,10 +12,12 @@ PY=${PYTHON:-python3}
 # needs (a CI run once died of ENOSPC inside pip).
 export PIP_NO_CACHE_DIR=1
 
-# --- system packages: redis-server (tests, demo), chromium (the dashboard DOM test) ----
+# --- system packages: redis-server (tests, demo), chromium (the dashboard DOM test), curl
+# (the README's request examples, run as pasted by tests/integration/test_readme_lines.py) ----
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[setup] installing ${missing[*]} (apt)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

@@ -29,6 +29,8 @@ def helm_install_lines(path) -> list[list[str]]:
     for block in path.read_text().split("```bash")[1:]:
         text = block.split("```", 1)[0].replace("\\\n", " ")
         for line in text.splitlines():
+            if not line.lstrip().startswith("helm install"):
+                continue  # other commands (a curl with a multi-line JSON body) are not ours to parse
             argv = shlex.split(line, comments=True)
             if argv[:2] == ["helm", "install"]:
                 out.append(argv)

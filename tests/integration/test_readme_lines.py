@@ -304,3 +304,38 @@ def test_chat_passages_hit_in_every_position(readme_vllm, tmp_path):
                               {"role": "user", "content": sep.join([passages[2], passages[0], "And the other one?"])}]
     got, _ = chat(turn2, want=2)
     assert got >= 2, f"{got} hit segments in the second turn (its 2 passages at least)"
+
+
+def readme_requests() -> list[str]:
+    """The README's request examples: its ``bash`` blocks that start with ``curl``, as pasted."""
+    blocks = [b.split("```", 1)[0] for b in (ROOT / "README.md").read_text().split("```bash\n")[1:]]
+    return [b.strip() for b in blocks if b.startswith("curl ")]
+
+
+def test_readme_requests_answer(readme_vllm):
+    """The README's completions and chat examples, run as pasted against its `vllm serve`
+    (port 8000): each answers, as an OpenAI completion and a chat completion, and the connector
+    looked both up (``vllm:kvblend_requests_total``)."""
+    import requests
+
+    cmds = readme_requests()
+    assert [c.split()[2] for c in cmds] == ["localhost:8000/v1/completions",
+                                            "localhost:8000/v1/chat/completions"], cmds
+    assert readme_vllm.endswith(":8000")
+
+    def looked_up() -> float:
+        return _metric(requests.get(readme_vllm + "/metrics", timeout=10).text, "vllm:kvblend_requests_total")
+
+    before = looked_up()
+    answers = []
+    for cmd in cmds:
+        r = subprocess.run(["bash", "-c", cmd], env=_env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        answers.append(json.loads(r.stdout))
+    assert [a["object"] for a in answers] == ["text_completion", "chat.completion"], answers
+    assert answers[0]["choices"][0]["text"].strip()
+    assert answers[1]["choices"][0]["message"]["content"].strip()
+    deadline = time.time() + 30  # vLLM's stats loop publishes the step's counters
+    while looked_up() - before < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    assert looked_up() - before == 2
