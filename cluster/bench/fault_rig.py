@@ -106,7 +106,8 @@ class FaultRig:
         """One ``vllm serve`` with the connector on every core, events to ``events_path``."""
         from cluster.workloads.replicas import replica_cpus, start_replica, wait_ready
 
-        extra = {"ray_address": self.ray.address, "stats_path": self.events_path}
+        # the bench sends kvblend_* kv_transfer_params (the full row, ratio 1.0): off by default (#37)
+        extra = {"ray_address": self.ray.address, "stats_path": self.events_path, "allow_request_overrides": True}
         self.replica = start_replica("faults", self.model_path, connector_extra=extra, log_dir=self.workdir,
                                      env=self.env, cpus=replica_cpus(0, 1))
         self._stack.callback(self.replica.stop)

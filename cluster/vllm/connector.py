@@ -99,7 +99,8 @@ names, plus the connector-only ``stats_path``, ``store_tokens_per_step``, ``load
 ``load_step_s``). Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})``
 with ``kvblend_load`` (False: load nothing, vLLM computes the prompt), ``kvblend_blend``
 (False: no blending), ``kvblend_recompute_ratio`` (float in [0, 1]), ``kvblend_store`` (False:
-store nothing), ``kvblend_load_async`` (bool: this request's blend on the async path or not).
+store nothing), ``kvblend_load_async`` (bool: this request's blend on the async path or not),
+``kvblend_selection``: all of them only with ``allow_request_overrides`` (default off, issue 37).
 
 Tensor parallelism (``tensor_parallel_size`` > 1): prefix reuse only (the vLLM adapter does
 not shard the model, so the connector does not blend; a warning says so); each rank stores and

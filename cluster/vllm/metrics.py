@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 #: ``_total`` suffix) by :class:`KVBlendPromMetrics`.
 PROM_COUNTERS: dict[str, str] = {
     "requests": "requests the connector looked up",
-    "ignored_overrides": "requests whose kvblend_recompute_ratio/store/load/blend were ignored (allow_request_overrides off)",
+    "ignored_overrides": "requests whose kvblend_* kv_transfer_params were ignored (allow_request_overrides off)",
     "uncacheable_requests": "requests not cached: multimodal inputs, prompt embeddings or an unreadable LoRA adapter",
     "blend_requests": "requests blended (CacheBlend path)",
     "prefix_requests": "requests served by exact prefix chunks",

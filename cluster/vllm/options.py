@@ -11,10 +11,13 @@ reads them) plus the connector-only keys of :data:`CONNECTOR_ONLY_KEYS`, which
 * ``load_async`` (bool, default True) — blends take vLLM's async-load path;
 * ``load_step_s`` (float seconds > 0, default :data:`LOAD_STEP_S`) — async blend work per
   engine step that also runs other requests;
-* ``allow_request_overrides`` (bool, default True) — whether requests may set the keys of
-  :data:`RESTRICTED_PARAMS` (issue 19: an API user turning storing, loading or recompute off
-  changes the cache and the quality for everyone; the Helm chart's
-  ``vllm.allowRequestOverrides`` is off by default).
+* ``allow_request_overrides`` (bool, default False) — whether requests may set the keys of
+  :data:`RESTRICTED_PARAMS`, which is every key of :data:`REQUEST_PARAMS` (issue 19: an API user
+  turning storing, loading or recompute off changes the cache and the quality for everyone;
+  issue 37: ``kvblend_load_async: false`` runs that request's blend synchronously inside the
+  engine step, stalling every other request's step for the load, and ``kvblend_selection``
+  changes the recompute cost; the Helm chart's ``vllm.allowRequestOverrides`` is off too).
+  kvblend's own tests and benchmarks that send these keys turn it on.
 
 Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` (the OpenAI API's
 ``kv_transfer_params``) with the keys of :data:`REQUEST_PARAMS` (:func:`request_params` reads
@@ -34,8 +37,8 @@ CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step", "load_async", "loa
 #: per-request kv_transfer_params understood by the connector.
 REQUEST_PARAMS = ("kvblend_load", "kvblend_blend", "kvblend_recompute_ratio", "kvblend_store",
                   "kvblend_load_async", "kvblend_selection")
-#: request keys honoured only with ``allow_request_overrides`` (the others always are).
-RESTRICTED_PARAMS = ("kvblend_recompute_ratio", "kvblend_store", "kvblend_load", "kvblend_blend")
+#: request keys honoured only with ``allow_request_overrides``: all of them (issue 37).
+RESTRICTED_PARAMS = REQUEST_PARAMS
 #: default tokens of canonical-KV compute per engine step (bounds the stall of a decode step).
 STORE_TOKENS_PER_STEP = 512
 #: default seconds of async blend work per engine step that also runs other requests.
@@ -50,7 +53,7 @@ class ConnectorOptions:
     store_tokens_per_step: int = STORE_TOKENS_PER_STEP
     load_async: bool = True
     load_step_s: float = LOAD_STEP_S
-    allow_request_overrides: bool = True
+    allow_request_overrides: bool = False
 
     @classmethod
     def pop_from(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -70,19 +73,20 @@ class ConnectorOptions:
         load_step_s = float(extra.pop("load_step_s", LOAD_STEP_S))
         if not load_step_s > 0:
             raise ValueError(f"kv_connector_extra_config load_step_s={load_step_s}: must be > 0 seconds")
-        allow = extra.pop("allow_request_overrides", True)
+        allow = extra.pop("allow_request_overrides", False)
         if not isinstance(allow, bool):
             raise ValueError(f"kv_connector_extra_config allow_request_overrides={allow!r}: must be true or false")
         return cls(stats_path, store_tokens_per_step, load_async, load_step_s, allow)
 
 
-def request_params(request, warn: Callable[..., None], allow_overrides: bool = True,
+def request_params(request, warn: Callable[..., None], allow_overrides: bool = False,
                    ignored: list[str] | None = None) -> dict[str, Any]:
     """The :data:`REQUEST_PARAMS` of ``request.kv_transfer_params`` (vLLM copies them from
     ``SamplingParams.extra_args["kv_transfer_params"]``); other ``kvblend*`` keys are
     ignored, the first one reported through ``warn(what, msg, *args)``; other keys are
-    ignored silently (they may be another connector's). Without ``allow_overrides`` the
-    :data:`RESTRICTED_PARAMS` are left out too, appended to ``ignored`` (when given)."""
+    ignored silently (they may be another connector's). Without ``allow_overrides`` (the
+    default) the :data:`RESTRICTED_PARAMS` are left out too, appended to ``ignored`` (when
+    given), the first one reported through ``warn``."""
     params = dict(getattr(request, "kv_transfer_params", None) or {})
     out = {}
     for k, v in params.items():

@@ -147,7 +147,7 @@ class KVBlendScheduler:
 
     def __init__(self, config, client, *, namespace_digest: str, block_size: int,
                  load_tokenizer: Callable[[], Any], tp_size: int = 1, load_async: bool = True,
-                 allow_request_overrides: bool = True, events: EventLog | None = None, counters: Counters | None = None,
+                 allow_request_overrides: bool = False, events: EventLog | None = None, counters: Counters | None = None,
                  warn: WarnOnce | None = None) -> None:
         self.config = config
         self.client = client
@@ -193,8 +193,8 @@ class KVBlendScheduler:
         claim = max(0, claim_end - num_computed_tokens)
         state.claim_start = num_computed_tokens if claim else claim_end
         state.load_async = bool(claim and state.plan is not None and state.plan.blend
-                                and request_params(request, self._warn).get("kvblend_load_async",
-                                                                            self.load_async))
+                                and request_params(request, self._warn, self.allow_request_overrides).get(
+                                    "kvblend_load_async", self.load_async))
         self._events.write("claim", request_id=request.request_id, local_computed_tokens=num_computed_tokens,
                            claimed_tokens=claim, claim_end=claim_end, load_async=state.load_async)
         return claim, state.load_async

@@ -73,7 +73,8 @@ def main(model_dir: str, work: Path) -> None:
         kv_connector="KVBlendConnector", kv_connector_module_path="cluster.connector",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"stats_path": stats, "recompute_ratios": [1.0], "min_tokens": 32,
-                                   "chunk_size": CHUNK, "ray_address": NO_RAY})
+                                   "chunk_size": CHUNK, "ray_address": NO_RAY,
+                                   "allow_request_overrides": True})  # its kv_transfer_params (#37)
     llm = LLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=2048,
               enable_prefix_caching=False, kv_transfer_config=ktc, seed=0,
               enable_lora=True, max_lora_rank=RANK, max_loras=2)

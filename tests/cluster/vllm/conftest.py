@@ -46,7 +46,9 @@ def shared_blend_llm(smollm2_path, blend_stats_path):
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"stats_path": blend_stats_path, "recompute_ratios": [1.0],
                                    "min_tokens": 32, "chunk_size": 64, "ray_address": NO_RAY,
-                                   "gpu_size_gib": 0.25})
+                                   "gpu_size_gib": 0.25,
+                                   # the tests send kvblend_* kv_transfer_params (off by default, #37)
+                                   "allow_request_overrides": True})
     llm = LLM(smollm2_path, dtype="float32", enforce_eager=True, max_model_len=4096,
               max_num_batched_tokens=1024,  # long prompts take chunked prefill (test_interplay)
               enable_prefix_caching=False, kv_transfer_config=ktc, seed=0)

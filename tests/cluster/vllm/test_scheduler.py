@@ -217,7 +217,7 @@ def test_restricted_request_overrides_are_ignored_and_counted_when_not_allowed(m
     claim, _ = sched.get_num_new_matched_tokens(FakeRequest("r", ids, {"kvblend_load": False}), 0)
     assert claim == plain
     assert sched._counters.totals["ignored_overrides"] == 1
-    allowed = make_scheduler()  # the default honours it
+    allowed = make_scheduler(allow_request_overrides=True)  # turned on: honoured
     assert allowed.get_num_new_matched_tokens(FakeRequest("r2", ids, {"kvblend_load": False}), 0) == (0, False)
 
 
@@ -232,6 +232,23 @@ def test_recompute_ratio_and_sync_load_per_request(make_scheduler, client, token
     (load,) = meta.loads
     assert load.plan.recompute_ratios == (0.25,) * len(load.plan.check_layers)
     assert not load.load_async and meta.has_prefill
+
+
+def test_a_requests_sync_load_and_ratio_are_ignored_by_default(client, tokenizer, prompt):
+    """Issue 37: a scheduler built with the defaults (as the connector's options give it) blends
+    a request that asks ``kvblend_load_async: false`` asynchronously, at the configured ratio."""
+    store_passages(client, tokenizer)
+    ids, spans = prompt
+    config = load_config(environ={}, overrides={"min_tokens": 16, "chunk_size": CHUNK_SIZE})
+    sched = KVBlendScheduler(config, client, namespace_digest=NAMESPACE, block_size=BLOCK_SIZE,
+                             load_tokenizer=lambda: tokenizer, counters=Counters())
+    req = FakeRequest("r", ids, {"kvblend_recompute_ratio": 0.25, "kvblend_load_async": False})
+    assert sched.get_num_new_matched_tokens(req, 0) == (query_start(spans), True)
+    sched.update_state_after_alloc(req, FakeBlocks(range(40)), query_start(spans))
+    meta = sched.build_connector_meta(step(new=[("r", range(40), 0, len(ids))]))
+    (load,) = meta.loads
+    assert 0.25 not in load.plan.recompute_ratios and load.load_async
+    assert sched._counters.totals["ignored_overrides"] == 1
 
 
 def test_selection_per_request_reaches_the_plan(make_scheduler, client, tokenizer, prompt, caplog):

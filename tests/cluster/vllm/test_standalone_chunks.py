@@ -61,6 +61,7 @@ def make_scheduler(tokenizer, client, events_path):
                                                     "blend_separator": SEP, **overrides})
         return KVBlendScheduler(config, client, namespace_digest=NAMESPACE, block_size=BLOCK_SIZE,
                                 load_tokenizer=lambda: tok or tokenizer, tp_size=tp_size,
+                                allow_request_overrides=True,  # kvblend_store below (#37)
                                 events=EventLog(events_path), counters=Counters())
 
     return make
