@@ -21,7 +21,8 @@ So a test that starts a process is marked so: by any lane but ``unit``.
   ``RAY_ADDRESS``, ``RAY_AUTH_*`` or ``KVBLEND_*`` (but ``KVBLEND_LOG_LEVEL``) inherited from
   the caller's shell, and throwaway AWS credentials (the suite's S3 endpoint takes any);
 * per module: a fresh ``RAY_TMPDIR`` (a module's heads and its ``auto`` are its own),
-  ``os.environ`` restored at its end, and no Ray driver left connected (a leak fails the module
+  ``os.environ`` restored at its end, the object key a ``kvblend server`` of the module created
+  in the private ``HOME`` (``~/.kvblend/object_key``) removed at its end, and no Ray driver left connected (a leak fails the module
   instead of being tidied away);
 * per test: ``os.environ`` as it was before the test, a fresh ``KVBLEND_DISK_PATH`` and a free
   ``KVBLEND_HEAD_PORT`` (the port of a head ``kvblend server`` starts).
@@ -192,6 +193,9 @@ def _module_isolation():
     yield
     os.environ.clear()
     os.environ.update(saved)
+    # a module's `kvblend server` keys its own processes only (later modules start keyless)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(os.environ["HOME"], ".kvblend", "object_key"))
     import sys
 
     ray = sys.modules.get("ray")

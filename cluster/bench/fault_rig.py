@@ -80,7 +80,9 @@ class FaultRig:
                     "KVBLEND_S3_ENDPOINT_URL": self.s3_proxy.via(endpoint),
                     "KVBLEND_S3_REGION": "us-east-1",
                     "KVBLEND_DISK_PATH": self.disk_root, "KVBLEND_DISK_SIZE_GIB": str(DISK_GIB),
-                    "KVBLEND_HOST_SIZE_GIB": "1.0"}
+                    "KVBLEND_HOST_SIZE_GIB": "1.0",
+                    # the rig's own object key, created by its `kvblend server` (issue 37)
+                    "KVBLEND_OBJECT_KEY_FILE": os.path.join(self.workdir, "object-key")}
         # a TLS Redis's files (none for the rig's plain one), as KVBLEND_REDIS_TLS_* variables
         self.env.update({f"KVBLEND_{k.upper()}": v for k, v in self.redis.config_values().items()
                          if k != "redis_url"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 from collections.abc import Iterator
 
@@ -34,11 +35,13 @@ def ingest(rig, passages: list[str], model_path: str) -> str:
     import torch
 
     from cluster.cache.factory import make_client
+    from cluster.env import configure_object_auth
     from cluster.namespace import fingerprint_cache_path, namespace_for
     from cluster.workloads.ingest import build_engine, ingest_passages
     from cluster.workloads.replicas import default_dtype
 
     cfg = rig.config()
+    configure_object_auth({**os.environ, **rig.env})  # the rig's object key, as `kvblend ingest` loads it
     dtype = default_dtype()
     digest = namespace_for(model_path, dtype, fingerprint_cache=fingerprint_cache_path(cfg)).digest()
     engine, tokenizer = build_engine(model_path, dtype)

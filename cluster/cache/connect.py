@@ -15,6 +15,11 @@ short timeout, so an unreachable address costs ~1 s, not Ray's minute of retries
 then run without the shared cache (:func:`cluster.cache.factory.make_client` returns a
 :class:`~cluster.cache.local.LocalCacheClient`) and log ONE warning per process
 (:func:`warn_once`).
+
+A process without an object key that joins a cluster whose ``kvblend server`` signs chunk
+objects (:data:`OBJECT_AUTH_MARK`, :mod:`cluster.cli.object_key`) is refused
+(:class:`ObjectKeyMissing`): it would write unsigned objects every shard refuses, and read
+whatever anyone planted (issue 37).
 """
 
 from __future__ import annotations
@@ -31,6 +36,14 @@ log = logging.getLogger("kvblend.ray")
 
 _warned = False
 _warn_lock = threading.Lock()
+
+#: Ray internal-KV key (in the deployment's Ray namespace): ``required`` or ``off``
+OBJECT_AUTH_MARK = b"kvblend_object_auth"
+
+
+class ObjectKeyMissing(ValueError):
+    """This process has no object key while the cluster it joined signs its chunk objects (a
+    setup mistake: the CLI prints it without a traceback)."""
 
 
 def _probe(address: str, timeout_s: float = 1.0) -> bool:
@@ -116,6 +129,8 @@ def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
 
     Raises:
         ValueError: a malformed ``ray_address``.
+        ObjectKeyMissing: joined a cluster that signs its chunk objects without a key here
+            (disconnected again; the message says where the key is expected).
     """
     import ray
 
@@ -150,7 +165,33 @@ def connect(cluster_config, *, start_resources: dict[str, float] | None = None,
     except (ConnectionError, RuntimeError, TimeoutError) as e:
         log.debug("ray.init(%s) failed: %s", address, e)
         return None
+    _check_object_key(ray, cfg.ray_namespace)
     return ray
+
+
+def _check_object_key(ray, namespace: str) -> None:
+    """Raise :class:`ObjectKeyMissing` (after disconnecting) when the cluster's mark says its
+    chunk objects are signed and this process has no key."""
+    from cluster.env import OBJECT_AUTH, missing_key_message, snapshot
+    from tiers import auth
+
+    if auth.current() is not None or snapshot().get(OBJECT_AUTH) == "off":
+        return  # has a key, or was told explicitly to run without one (--no-object-auth)
+    if _read_mark(namespace) == b"required":
+        ray.shutdown()
+        raise ObjectKeyMissing(missing_key_message(
+            snapshot(), f"the kvblend cluster in Ray namespace {namespace!r} signs its chunk objects"))
+
+
+def _read_mark(namespace: str) -> bytes | None:
+    """The cluster's :data:`OBJECT_AUTH_MARK` in ``namespace`` (None: none, or unreadable)."""
+    try:
+        from ray.experimental import internal_kv
+
+        return internal_kv._internal_kv_get(OBJECT_AUTH_MARK, namespace=namespace)
+    except Exception as e:  # noqa: BLE001 - another Ray version: the shards still refuse keyless starts
+        log.debug("object auth mark unreadable: %s", e)
+        return None
 
 
 def _token_auth_if_available() -> None:

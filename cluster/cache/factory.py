@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cluster.cache.connect import connect, warn_once
+from cluster.cache.connect import ObjectKeyMissing, connect, warn_once
 from cluster.cache.lifecycle import shard_names
 from cluster.cache.local import LocalCacheClient, local_client
 
@@ -74,6 +74,8 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
     Raises:
         ValueError: a malformed ``ray_address`` (only without ``fallback_on_error``); likewise
             whatever building the Ray or the machine-local client raised.
+        cluster.cache.connect.ObjectKeyMissing: no object key here while the cluster signs
+            its chunk objects (even with ``fallback_on_error``: the process refuses to start).
     """
     if agent and config.cluster.ray_address != "local":
         return shared_agent_client(config, namespace, device=device, thread_initializer=thread_initializer)
@@ -92,7 +94,7 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
             return CacheClient(config, namespace, device=device, thread_initializer=thread_initializer)
         return shared_local_client(config, namespace, device=device, memory_fallback=fallback_on_error)
     except Exception as e:  # noqa: BLE001 - no shared cache is a degraded mode, not an error
-        if not fallback_on_error:
+        if not fallback_on_error or isinstance(e, ObjectKeyMissing):  # a keyless process refuses to start
             raise
         log.warning("kvblend: cache client unavailable (%s: %s); using a local cache", type(e).__name__, e)
     return shared_local_client(config, namespace, device=device, memory_fallback=True)

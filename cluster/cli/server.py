@@ -24,7 +24,10 @@ error that names it; ``--block`` runs Ray inside this process, on a port Ray pic
 
 Ray token authentication (issue 19): a head started here requires Ray's token
 (:mod:`cluster.cli.ray_auth`: created when none exists; ``--no-auth`` says loudly what it
-turns off). Secrets: a Redis password stays out of the process list when the URL comes through
+turns off). Object authentication (issue 37): chunk objects are signed and checked under the
+key :mod:`cluster.cli.object_key` finds or creates (``~/.kvblend/object_key``, mode 0600, or
+``$KVBLEND_OBJECT_KEY_FILE``); ``--no-object-auth`` says loudly what it gives up. Secrets: a
+Redis password stays out of the process list when the URL comes through
 ``$KVBLEND_REDIS_URL`` or ``--redis-url-file PATH``; ``--redis-url`` still works but its value
 is visible to ``ps``. The logged config masks it (:func:`cluster.config.log_config`).
 
@@ -89,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-auth", action="store_true",
                    help="start the Ray head WITHOUT token authentication (default: on; a token is created "
                         "in ~/.ray/auth_token when none exists): anyone who reaches its ports can run code")
+    p.add_argument("--no-object-auth", action="store_true",
+                   help="neither sign nor check chunk objects (default: on; a key is created in ~/.kvblend/object_key, "
+                        "or $KVBLEND_OBJECT_KEY_FILE, when none exists): anyone who can write the disk tier, Redis "
+                        "or S3 can plant chunks that change answers")
     p.add_argument("--block", action="store_true",
                    help="run Ray inside this process and serve until interrupted")
 
@@ -169,6 +176,7 @@ def read_url_file(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.cli import object_key
     from cluster.config import load_config, log_config
 
     overrides = connection_overrides(args)
@@ -184,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         print("kvblend: --port applies to a head started by `ray start`; --block runs Ray in this process "
               "on a port Ray picks", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, overrides=overrides)
+    environ = dict(os.environ)  # settings only: the object key is object_key.prepare's, below
+    cfg = load_config(args.config, overrides=overrides, environ=environ)
     c = cfg.cluster
     needed_gib = cfg.tiers.host_size_gib * c.shards_per_node + STORE_HEADROOM_GIB
     may_start = c.ray_address in ("local", "auto")  # joining host:port: the store exists
@@ -196,9 +205,10 @@ def run(args: argparse.Namespace) -> int:
                 f"in-flight puts: the object store holds the host tier")
         # not set by the user: size it to fit the host tier (said once in the log)
         log.info("object_store_gib not set: using %.2f GiB (host tier + headroom)", needed_gib)
-        cfg = load_config(args.config, overrides={**overrides, "object_store_gib": needed_gib})
+        cfg = load_config(args.config, overrides={**overrides, "object_store_gib": needed_gib}, environ=environ)
         c = cfg.cluster
     log_config(cfg)  # secrets masked (issue 19)
+    key_where = object_key.prepare(no_object_auth=args.no_object_auth)  # before Ray: a head inherits it
     import ray
 
     from cluster.cache.connect import connect
@@ -233,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
         from cluster.cli.ray_auth import announce
 
         announce(token_where, address)
-    names = start_shards(cfg)
+    object_key.mark_cluster(c.ray_namespace, key_where)
+    shard_env = object_key.shard_env(key_where)
+    names = start_shards(cfg, env_vars=shard_env)
     try:
         dashboard = ray._private.worker.get_dashboard_url() or ""
     except Exception:  # noqa: BLE001 - only informative
@@ -247,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(RESCAN_S):
         try:
-            start_shards(cfg)
+            start_shards(cfg, env_vars=shard_env)
         except Exception as e:  # noqa: BLE001 - keep serving
             log.warning("rescan for new cache nodes failed: %s", e)
     from cluster.cache.lifecycle import stop_shards

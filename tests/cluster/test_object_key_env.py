@@ -8,7 +8,7 @@ import pytest
 
 from tests.factories import OBJECT_KEY_A, OBJECT_KEY_B, make_key, make_kv, make_object, object_keys
 from tiers import auth
-from tiers.format import parse_header
+from tiers.format import AuthError, parse_header
 
 pytestmark = pytest.mark.unit
 
@@ -54,3 +54,68 @@ def test_load_config_sets_the_key_and_refuses_a_bad_one(use_key, monkeypatch):
     monkeypatch.setenv("KVBLEND_OBJECT_KEY", "short")
     with pytest.raises(ValueError, match="at least 16"):
         load_config()
+
+
+def test_the_default_key_file_is_found_by_every_process_of_the_machine(use_key, tmp_path):
+    """Issue 37: ``~/.kvblend/object_key`` (where ``kvblend server`` creates it) is found with
+    neither variable set, as Ray finds ``~/.ray/auth_token``; the variables still win."""
+    from cluster.env import configure_object_auth, object_key_file
+
+    home = tmp_path / "home"
+    machine = {"HOME": str(home)}
+    assert object_key_file(machine) == str(home / ".kvblend" / "object_key")
+    use_key(None)
+    assert not configure_object_auth(machine)  # nothing there yet: keyless
+    (home / ".kvblend").mkdir(parents=True)
+    (home / ".kvblend" / "object_key").write_text(KEY_A + "\n")
+    assert configure_object_auth(machine)
+    key, kv = make_key(7), make_kv(7)
+    signed = make_object(key, kv)
+    use_key(KEY_A)
+    assert parse_header(signed, expected_key=key).key == str(key)  # the file's key, newline dropped
+    assert configure_object_auth({**machine, "KVBLEND_OBJECT_KEY": KEY_B})  # the variable wins
+    with pytest.raises(AuthError):
+        parse_header(signed, expected_key=key)
+
+
+def test_a_keyless_shard_of_a_keyed_cluster_refuses_to_start_saying_where(use_key, tmp_path):
+    """Issue 37: ``kvblend server`` tells its shards a key is required; one that finds none
+    refuses with where it looked (and how to turn authentication off); ``off`` runs keyless even
+    when a key is found."""
+    from cluster.env import configure_object_auth
+
+    use_key(None)
+    where = tmp_path / "keys" / "object-key"
+    with pytest.raises(ValueError, match="no object key") as err:
+        configure_object_auth({"HOME": str(tmp_path), "KVBLEND_OBJECT_AUTH": "required"})
+    assert str(tmp_path / ".kvblend" / "object_key") in str(err.value) and "--no-object-auth" in str(err.value)
+    with pytest.raises(ValueError, match="cannot read"):
+        configure_object_auth({"KVBLEND_OBJECT_KEY_FILE": str(where), "KVBLEND_OBJECT_AUTH": "required"})
+    assert configure_object_auth({"KVBLEND_OBJECT_KEY": KEY_A, "KVBLEND_OBJECT_AUTH": "required"})
+    assert not configure_object_auth({"KVBLEND_OBJECT_KEY": KEY_A, "KVBLEND_OBJECT_AUTH": "off"})
+    assert auth.current() is None
+
+
+def test_the_cluster_mark_refuses_a_keyless_driver(use_key, monkeypatch):
+    """Issue 37: a Ray driver without a key that joins a cluster whose ``kvblend server`` signs
+    its chunk objects is disconnected with a message naming where the key is expected."""
+    import types
+
+    from cluster.cache import connect as connect_mod
+
+    marks: dict[str, bytes] = {}  # Ray's internal key-value store, as the server wrote it
+    monkeypatch.setattr(connect_mod, "_read_mark", marks.get)
+    shut = []
+    fake_ray = types.SimpleNamespace(shutdown=lambda: shut.append(1))
+    use_key(None)
+    connect_mod._check_object_key(fake_ray, "ns")  # no mark: an older or keyless deployment
+    marks["ns"] = b"required"
+    with pytest.raises(connect_mod.ObjectKeyMissing, match="no object key") as err:
+        connect_mod._check_object_key(fake_ray, "ns")
+    assert "'ns' signs its chunk objects" in str(err.value) and shut == [1]
+    use_key(KEY_A)
+    connect_mod._check_object_key(fake_ray, "ns")  # a keyed driver joins
+    use_key(None)
+    monkeypatch.setenv("KVBLEND_OBJECT_AUTH", "off")
+    connect_mod._check_object_key(fake_ray, "ns")  # told to run keyless (--no-object-auth)
+    assert shut == [1]

@@ -77,7 +77,8 @@ def test_vllm_outlives_a_lost_ray_head(smollm2_path, tmp_path):
     env.update({"RAY_gcs_rpc_server_reconnect_timeout_s": str(GCS_TIMEOUT_S), "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
                 "KVBLEND_RAY_ADDRESS": f"127.0.0.1:{ray_port}", "KVBLEND_RAY_NAMESPACE": "kvblend-headloss",
                 "KVBLEND_DISK_PATH": str(tmp_path / "disk"), "KVBLEND_DISK_SIZE_GIB": "1",
-                "KVBLEND_HOST_SIZE_GIB": "0.2", "KVBLEND_LOCAL_FALLBACK": "off", "KVBLEND_NODE_NAME": "headloss"})
+                "KVBLEND_HOST_SIZE_GIB": "0.2", "KVBLEND_LOCAL_FALLBACK": "off", "KVBLEND_NODE_NAME": "headloss",
+                "KVBLEND_OBJECT_KEY_FILE": str(tmp_path / "object-key")})  # created by `kvblend server`
     stack = contextlib.ExitStack()  # the vLLM server, once started
     try:
         _kvblend_server(ray_port, temp_dir, env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -30,7 +31,8 @@ def cli_namespace(ray_cluster, tmp_path_factory):
     cluster, _ = ray_cluster
     ns = f"kvblend-cli-{uuid.uuid4().hex[:6]}"
     disk = tmp_path_factory.mktemp("cli-disk")
-    done = kvblend("server", "--address", cluster.address, "--ray-namespace", ns,
+    # the session cluster's shards run keyless (their nodes have no object key file)
+    done = kvblend("server", "--address", cluster.address, "--ray-namespace", ns, "--no-object-auth",
                    "--disk-path", str(disk), "--host-size-gib", "0.004", "--disk-size-gib", "0.05",
                    "--eviction-policy", "lfu", "--engine-type", "prefix")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -113,29 +115,43 @@ def test_server_rejects_a_too_small_object_store():
     done = kvblend("server", "--block", "--host-size-gib", "4", "--object-store-gib", "1")
     assert done.returncode == 2
     assert "object_store_gib=1.0 is below host_size_gib=4.0" in done.stderr
+    # refused before anything was made: no object key either (issue 37)
+    assert not os.path.exists(os.path.join(os.environ["HOME"], ".kvblend", "object_key"))
 
 
 def test_server_starts_its_own_ray_head(tmp_path):
     """``kvblend server --address local`` runs ``ray start --head`` (in a private temp dir)
     and exits, leaving Ray and the shards running; ``status`` and ``stop`` reach them. The
-    head's processes are then ended by pid (found by their private temp dir), never by name."""
+    head's processes are then ended by pid (found by their private temp dir), never by name.
+
+    Issue 37: on this fresh machine (no object key) the server creates one (mode 0600) where
+    ``$KVBLEND_OBJECT_KEY_FILE`` says, prints where (never the key), and its shards sign and
+    check under it; a process without the key is refused, naming where it expects it."""
     from cluster.workloads.local_ray import end_ray_node
 
     temp_dir = f"/tmp/kvb5-{uuid.uuid4().hex[:6]}"
     ns = "kvblend-head-test"
+    key_file = tmp_path / "keys" / "object-key"
+    keyed = {"KVBLEND_OBJECT_KEY_FILE": str(key_file)}
     try:
         done = kvblend("server", "--address", "local", "--temp-dir", temp_dir, "--ray-namespace", ns,
                        "--no-dashboard",
                        "--disk-path", str(tmp_path / "disk"), "--host-size-gib", "0.01",
                        "--disk-size-gib", "0.01", "--object-store-gib", "0.2",
-                       timeout=180)
+                       timeout=180, env=keyed)
         assert done.returncode == 0, done.stderr[-3000:]
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        key = key_file.read_text().strip()
+        assert len(key) >= 32 and key not in done.stdout + done.stderr and str(key_file) in done.stderr
         started = json.loads(done.stdout.strip().splitlines()[-1])
         assert len(started["shards"]) == 1
-        status = kvblend("status", "--json", "--address", started["address"], "--ray-namespace", ns)
+        keyless = kvblend("status", "--json", "--address", started["address"], "--ray-namespace", ns)
+        assert keyless.returncode == 2 and "no object key" in keyless.stderr, keyless.stderr[-3000:]
+        assert os.path.join(os.environ["HOME"], ".kvblend", "object_key") in keyless.stderr
+        status = kvblend("status", "--json", "--address", started["address"], "--ray-namespace", ns, env=keyed)
         assert status.returncode == 0, status.stderr[-3000:]
         assert list(json.loads(status.stdout)["shards"]) == started["shards"]
-        stop = kvblend("stop", "--address", started["address"], "--ray-namespace", ns)
+        stop = kvblend("stop", "--address", started["address"], "--ray-namespace", ns, env=keyed)
         assert stop.returncode == 0 and "stopped 1 shard(s)" in stop.stdout
     finally:
         end_ray_node(temp_dir)

@@ -38,7 +38,8 @@ def _get(url: str, token: str | None):
 @pytest.fixture(scope="module")
 def blocking_server(tmp_path_factory):
     token = uuid.uuid4().hex
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+           "KVBLEND_OBJECT_KEY_FILE": str(tmp_path_factory.mktemp("dash-key") / "object-key")}
     env.pop("RAY_ADDRESS", None)
     dash_port, metrics_port = free_port(), free_port()
     ns = f"kvblend-dash-{uuid.uuid4().hex[:6]}"

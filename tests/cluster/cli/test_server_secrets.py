@@ -23,12 +23,24 @@ class _Stop(Exception):
 
 
 @pytest.fixture
-def started(monkeypatch, caplog):
-    """Run ``kvblend server ARGS`` up to its Ray connection; returns (logged text, config)."""
+def key_file(tmp_path):
+    """A private object key file's place (not created), and this process's key restored after."""
+    from tests.factories import object_keys
+
+    with object_keys():
+        yield tmp_path / "kvblend" / "object_key"
+
+
+@pytest.fixture
+def started(monkeypatch, caplog, key_file):
+    """Run ``kvblend server ARGS`` up to its Ray connection; returns (logged text, config). The
+    object key goes to ``key_file`` (``$KVBLEND_OBJECT_KEY_FILE``)."""
     import cluster.cache.connect
 
-    for var in ("KVBLEND_CONFIG", "LMCACHE_CONFIG_FILE", "KVBLEND_REDIS_URL"):
+    for var in ("KVBLEND_CONFIG", "LMCACHE_CONFIG_FILE", "KVBLEND_REDIS_URL", "KVBLEND_OBJECT_KEY",
+                "KVBLEND_OBJECT_AUTH"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVBLEND_OBJECT_KEY_FILE", str(key_file))
     seen = {}
 
     def fake_connect(cluster_config, **_):
@@ -102,3 +114,31 @@ def test_help_warns_that_redis_url_shows_in_ps(capsys):
     assert "--redis-url-file" in out and "KVBLEND_REDIS_URL" in out and "`ps`" in out
     with pytest.raises(SystemExit):
         p.parse_args(["--redis-url", URL, "--redis-url-file", "/x"])  # one or the other
+
+
+def test_server_creates_the_object_key_on_a_fresh_machine(started, key_file, capsys):
+    """Issue 37: a machine without an object key gets one before Ray starts (mode 0600, where
+    ``$KVBLEND_OBJECT_KEY_FILE`` says); the server says where, never what, and signs from then
+    on; a second start finds the same key."""
+    import stat
+
+    from tiers import auth
+
+    assert not key_file.exists()
+    text, _ = started()
+    said = capsys.readouterr().err
+    key = key_file.read_text().strip()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key) >= 32
+    assert str(key_file) in said and "object authentication is on" in said
+    assert key not in said + text
+    assert auth.current() is not None
+    started()
+    assert key_file.read_text().strip() == key
+
+
+def test_no_object_auth_creates_nothing_and_says_what_it_gives_up(started, key_file):
+    from tiers import auth
+
+    text, _ = started("--no-object-auth")
+    assert not key_file.exists() and auth.current() is None
+    assert "neither signed nor checked" in text and "plant" in text
