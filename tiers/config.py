@@ -38,7 +38,11 @@ class TiersConfig:
     disk_size_gib: float = _f(
         20.0, "GiB of files per shard in the disk tier (0 = off)", (0.0, 1048576.0))
     redis_url: str = _f(
-        "", "redis://[:password@]host:port/db or rediss:// for TLS ('' = no Redis tier)")
+        "", "redis://[:password@]host:port/db or rediss:// for TLS ('' = no Redis tier); a password here is percent-encoded (or use redis_password_file)")
+    redis_password: str = _f(
+        "", "the Redis password whole, any characters, instead of one in redis_url: set it as $KVBLEND_REDIS_PASSWORD ('' = none; never shown)")
+    redis_password_file: str = _f(
+        "", "file holding the Redis password whole (its trailing newline dropped), e.g. a mounted Secret, instead of one in redis_url ('' = none)")
     redis_ttl_s: int = _f(
         0, "seconds a chunk lives in Redis (0 = no expiry)", (0, 10**9))
     redis_tls_ca_file: str = _f(

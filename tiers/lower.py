@@ -16,7 +16,7 @@ import logging
 from tiers.format import CODEC_LZ4, ChunkHeader, decode_layer, encode_chunk
 from tiers.keys import ChunkKey
 from tiers.reader import validate_object
-from tiers.redact import redact_text, redact_url
+from tiers.redact import MASK, redact_text, redact_url
 from tiers.tier import Buffer, Tier
 
 log = logging.getLogger(__name__)
@@ -64,5 +64,8 @@ def shared_tiers(cfg) -> list[Tier]:
         try:
             out.append(getattr(importlib.import_module(module), cls_name).from_config(cfg))
         except Exception as e:  # noqa: BLE001 - a broken shared tier degrades to misses
-            log.warning("%s tier %s unavailable: %s", kind, redact_url(url), redact_text(str(e), url))
+            why = redact_text(str(e), url)
+            for secret in (getattr(cfg, "redis_password", ""),):  # given apart from the URL
+                why = why.replace(secret, MASK) if secret else why
+            log.warning("%s tier %s unavailable: %s", kind, redact_url(url), why)
     return out

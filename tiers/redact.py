@@ -3,7 +3,8 @@
 A Redis URL may carry a password (``redis://:PASSWORD@host:6379/0``, ``redis://user:PASSWORD@...``);
 any URL may carry userinfo. :func:`redact_url` masks it, :func:`redact_text` masks a URL's
 password wherever it appears in a text (an exception message), :func:`redact_fields` masks the
-URL-valued fields (names ending in ``_url``) of a flat config mapping. Everything that logs,
+URL-valued fields (names ending in ``_url``) and the password fields (``*_password``) of a flat
+config mapping. Everything that logs,
 prints or raises with a configured URL goes through one of these.
 """
 
@@ -77,5 +78,7 @@ def redact_text(text: str, *urls: str) -> str:
 
 
 def redact_fields(values: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a flat ``{field: value}`` config with every ``*_url`` value redacted."""
-    return {k: redact_url(v) if k.endswith("_url") else v for k, v in values.items()}
+    """A copy of a flat ``{field: value}`` config with every ``*_url`` value redacted and every
+    non-empty ``*_password`` value replaced by ``***``."""
+    return {k: redact_url(v) if k.endswith("_url") else MASK if k.endswith("_password") and v else v
+            for k, v in values.items()}

@@ -11,8 +11,9 @@
   namespace, or all, under ``key_prefix``: ``SCAN`` with a ``MATCH`` on the prefix, only keys
   that parse as chunk keys and whose values read as our chunk objects (:mod:`tiers.ownership`),
   ``UNLINK`` in batches; never ``FLUSHDB``.
-* redis-py with hiredis (when installed) and a connection pool; password and db come from
-  the URL (``redis://:password@host:port/db``). ``rediss://`` is TLS: the server's certificate
+* redis-py with hiredis (when installed) and a connection pool; db and a percent-encoded
+  password come from the URL (``redis://:password@host:port/db``), or the password whole from
+  ``password`` (:mod:`tiers.redis_url`: no message shows a part of one). ``rediss://`` is TLS: the server's certificate
   and host name are verified (``ssl_cert_reqs='required'``) against ``tls_ca_file`` (the
   system's trust store when empty); ``tls_cert_file``/``tls_key_file`` are the client's
   certificate for a server with ``tls-auth-clients yes``. The files are read by OpenSSL when a
@@ -46,6 +47,7 @@ from tiers.format import PREFIX_BYTES
 from tiers.keys import ChunkKey
 from tiers.ownership import Cleared, classify, deletable
 from tiers.redact import redact_text, redact_url
+from tiers.redis_url import connect_options, read_password_file
 from tiers.tier import Buffer
 
 log = logging.getLogger(__name__)
@@ -72,9 +74,11 @@ class RedisTier:
         tls_key_file: PEM private key of ``tls_cert_file`` ('' = none or inside it).
         max_object_bytes: the most bytes a whole-object :meth:`get` reads (0 = the server's
             ``proto-max-bulk-len``); a longer value is a miss counted in ``oversized``.
+        password: the password whole (any characters), when the URL carries none.
 
     Raises:
-        ValueError: a malformed URL, negative ttl or max_object_bytes or non-positive timeout; a TLS file with a
+        ValueError: a malformed URL (a password in it not percent-encoded, or also given as
+            ``password``), negative ttl or max_object_bytes or non-positive timeout; a TLS file with a
             URL that is not ``rediss://``, a key without a certificate, or a TLS file that
             cannot be read (the message names the parameter and the path, never a file's
             contents or the URL's password).
@@ -83,7 +87,7 @@ class RedisTier:
     def __init__(self, url: str, ttl_s: int = 0, timeout_s: float = 5.0, *,
                  key_prefix: str = "kvblend:", max_connections: int = 32,
                  name: str = "redis", tls_ca_file: str = "", tls_cert_file: str = "",
-                 tls_key_file: str = "", max_object_bytes: int = 0) -> None:
+                 tls_key_file: str = "", max_object_bytes: int = 0, password: str = "") -> None:
         import redis  # heavy-ish; only deployments with a Redis tier pay for it
 
         if ttl_s < 0:
@@ -95,10 +99,11 @@ class RedisTier:
         self.key_prefix = key_prefix
         self._redis_mod = redis
         tls = _tls_kwargs(url, tls_ca_file, tls_cert_file, tls_key_file)
+        auth = connect_options(url, password)  # a bad userinfo: refused before urllib quotes it
         try:
             self._client = redis.Redis.from_url(
                 url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                max_connections=max_connections, retry_on_timeout=False, **tls)
+                max_connections=max_connections, retry_on_timeout=False, **tls, **auth)
         except ValueError as e:  # the message may quote the URL: never its password
             raise ValueError(f"redis url {redact_url(url)!r} is malformed: {redact_text(str(e), url)}") from None
         if max_object_bytes < 0:
@@ -113,11 +118,18 @@ class RedisTier:
     def from_config(cls, cfg) -> RedisTier:
         """From a :class:`tiers.config.TiersConfig` (``redis_url``, ``redis_ttl_s``,
         ``io_timeout_s``, ``redis_tls_ca_file``, ``redis_tls_cert_file``, ``redis_tls_key_file``,
-        ``max_object_mib``)."""
+        ``max_object_mib``, ``redis_password`` or ``redis_password_file``, read here).
+
+        Raises:
+            ValueError: as the constructor; an unreadable password file, or both password fields.
+        """
+        if cfg.redis_password and cfg.redis_password_file:
+            raise ValueError("redis_password and redis_password_file both give the Redis password: give one")
+        password = read_password_file(cfg.redis_password_file) if cfg.redis_password_file else cfg.redis_password
         return cls(cfg.redis_url, cfg.redis_ttl_s, cfg.io_timeout_s,
                    tls_ca_file=cfg.redis_tls_ca_file, tls_cert_file=cfg.redis_tls_cert_file,
                    tls_key_file=cfg.redis_tls_key_file,
-                   max_object_bytes=int(cfg.max_object_mib * 2**20))
+                   max_object_bytes=int(cfg.max_object_mib * 2**20), password=password)
 
     def _rkey(self, key: ChunkKey) -> str:
         return f"{self.key_prefix}{key}"

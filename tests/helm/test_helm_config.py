@@ -15,7 +15,8 @@ pytestmark = pytest.mark.integration
 
 # Fields the chart fills from its own sections rather than from kvblend.config.
 DERIVED = {"model", "ray_address", "redis_url", "s3_url", "s3_endpoint_url", "s3_region",
-           "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"}
+           "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file", "redis_password",
+           "redis_password_file"}
 VALUES_SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
 
