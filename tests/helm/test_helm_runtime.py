@@ -97,6 +97,14 @@ def test_object_authentication_can_be_turned_off(helm):
     rendered = helm.render(None, "objectAuth.enabled=false")
     assert not rendered.secrets.get(f"{RELEASE}-kvblend-object-key")
     assert "KVBLEND_OBJECT_KEY" not in [e["name"] for _, c, _ in rendered.containers() for e in c.get("env", [])]
+    # and `kvblend server` is told so: without it each shard pod would create a key of its own (#37)
+    script = rendered.one("RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["args"][0]
+    assert "kvblend server" in script and "--no-object-auth" in script
+
+
+def test_kvblend_server_keeps_object_authentication_on_by_default(rendered):
+    script = rendered.one("RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["args"][0]
+    assert "kvblend server" in script and "--no-object-auth" not in script
 
 
 def test_shard_workers_advertise_the_shard_resource(rendered):
