@@ -85,6 +85,10 @@ class AgentClient(AgentLife):
         thread_initializer: run first in each fetch thread (a vLLM CPU worker's unpinning).
         start_timeout_s: how long the constructor waits for the first agent (vLLM start-up
             waits for the cache once; later starts happen in the background).
+
+    Raises:
+        ObjectKeyMissing: the first agent found that the cluster signs its chunk objects and
+            this process has no key (issue 37: the vLLM process refuses to start).
     """
 
     def __init__(self, config, namespace: str | None, fallback, *, device: str | torch.device = "cpu",

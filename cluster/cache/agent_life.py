@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 
+from cluster.cache.connect import ObjectKeyMissing
 from cluster.cache.wire import MAX_BUFFER_BYTES, AgentLink, spawn_agent
 
 log = logging.getLogger("kvblend.client")
@@ -49,13 +50,21 @@ class AgentLife:
 
     def _start_life(self, start_timeout_s: float) -> None:
         """Start the first agent (waiting up to ``start_timeout_s``), then the watcher thread.
-        Called once, at the end of the client's constructor."""
+        Called once, at the end of the client's constructor.
+
+        Raises:
+            ObjectKeyMissing: the first agent found that the cluster signs its chunk objects and
+                this process has no key (issue 37: the vLLM process refuses to start).
+        """
         self._link: AgentLink | None = None
         self._starting = self._closed = False
         self._state = ""
         self._backoff, self._next_start, self._link_since = BACKOFF_S[0], 0.0, 0.0
         self._stop = threading.Event()
-        self._start(start_timeout_s)
+        why = self._start(start_timeout_s)
+        if why is not None and why.startswith(ObjectKeyMissing.__name__ + ": "):
+            self.close()  # issue 37: the cluster signs its objects and this process has no key
+            raise ObjectKeyMissing(why.split(": ", 1)[1])
         threading.Thread(target=self._watch, name="kvblend-agent-watch", daemon=True).start()
 
     @property
@@ -71,10 +80,10 @@ class AgentLife:
             address = _auto_address()
         return address if address and _probe(address) else None
 
-    def _start(self, timeout_s: float, shards_wait_s: float = 0.0) -> None:
+    def _start(self, timeout_s: float, shards_wait_s: float = 0.0) -> str | None:
         """Start an agent and wait for its hello answer (up to ``timeout_s``; the agent waits up
         to ``shards_wait_s`` of it for shards to be registered); on failure schedule the next
-        attempt (see the module docstring). Never raises."""
+        attempt (see the module docstring) and return why (None: started). Never raises."""
         why, link, reachable = None, None, True
         try:
             if self._address() is None:
@@ -106,6 +115,8 @@ class AgentLife:
         else:
             self._state_change("down", f"no cache agent ({why}); serving without the shared cache, "
                                "retrying in the background")
+            return why
+        return None
 
     def _state_change(self, state: str, message: str) -> None:
         """Log ``message`` once per change of state (up/down), at debug level otherwise."""
