@@ -132,12 +132,12 @@ def test_a_vllm_process_whose_cache_agent_finds_no_key_refuses_to_start(monkeypa
 
     refused = "no object key: the kvblend cluster in Ray namespace 'ns' signs its chunk objects; ..."
     monkeypatch.setattr(AgentClient, "_address", lambda self: "127.0.0.1:1")
-    monkeypatch.setattr(AgentClient, "_spawn", lambda self, timeout_s: (None, f"ObjectKeyMissing: {refused}"))
+    monkeypatch.setattr(AgentClient, "_spawn", lambda self, timeout_s, shards_wait_s=0.0: (None, f"ObjectKeyMissing: {refused}"))
     config = load_config(environ={})
     with pytest.raises(ObjectKeyMissing, match="no object key"):
         AgentClient(config, "ns", LocalCacheClient(), start_timeout_s=1.0)
     # any other failed start is the usual fallback
-    monkeypatch.setattr(AgentClient, "_spawn", lambda self, timeout_s: (None, "Ray is gone"))
+    monkeypatch.setattr(AgentClient, "_spawn", lambda self, timeout_s, shards_wait_s=0.0: (None, "Ray is gone"))
     client = AgentClient(config, "ns", LocalCacheClient(), start_timeout_s=1.0)
     assert not client.up
     client.close()
