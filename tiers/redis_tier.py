@@ -43,9 +43,8 @@ import threading
 from collections.abc import Sequence
 
 from tiers.config import check_tls_pairing
-from tiers.format import PREFIX_BYTES
 from tiers.keys import ChunkKey
-from tiers.ownership import Cleared, classify, deletable
+from tiers.ownership import Cleared, check_bytes, classify, deletable
 from tiers.redact import redact_text, redact_url
 from tiers.redis_url import connect_options, read_password_file
 from tiers.tier import Buffer
@@ -326,8 +325,9 @@ class RedisTier:
     def _clear_batch(self, names: list[bytes], stale: bool, skipped: dict[str, int]) -> int:
         """Read each value's prefix (one pipelined round trip), unlink the deletable ones."""
         pipe = self._client.pipeline(transaction=False)
+        n = check_bytes(stale)
         for name in names:
-            pipe.getrange(name, 0, PREFIX_BYTES - 1)
+            pipe.getrange(name, 0, n - 1)
         doomed = []
         # raise_on_error=False: a value of another type (a hash, a list) answers WRONGTYPE
         for name, head in zip(names, pipe.execute(raise_on_error=False), strict=True):

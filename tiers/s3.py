@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tiers.format import PREFIX_BYTES
 from tiers.keys import ChunkKey
-from tiers.ownership import Cleared, classify, deletable
+from tiers.ownership import Cleared, check_bytes, classify, deletable
 from tiers.redact import redact_url
 from tiers.tier import Buffer
 
@@ -360,7 +360,8 @@ class S3Tier:
 
         def flush() -> None:
             nonlocal deleted, failed
-            heads = list(self._pool.map(self._prefix_of, pending))
+            n = check_bytes(stale)
+            heads = list(self._pool.map(lambda k: self._prefix_of(k, n), pending))
             kinds = [None if h is None else classify(h) for h in heads]  # None: gone meanwhile
             doomed = []
             for k, kind in zip(pending, kinds, strict=True):
@@ -399,13 +400,13 @@ class S3Tier:
             raise OSError(f"s3 clear deleted {deleted} chunk object(s) but {failed} failed")
         return Cleared(deleted, skipped)
 
-    def _prefix_of(self, object_key: str) -> bytes | None:
-        """The first :data:`~tiers.format.PREFIX_BYTES` bytes of an object (b'' for an empty
+    def _prefix_of(self, object_key: str, nbytes: int = PREFIX_BYTES) -> bytes | None:
+        """The first ``nbytes`` bytes of an object (b'' for an empty
         one: S3 answers a range of it with InvalidRange; None when it is gone). Raises the
         client's other errors."""
         try:
             return self._client.get_object(Bucket=self.bucket, Key=object_key,
-                                           Range=f"bytes=0-{PREFIX_BYTES - 1}")["Body"].read()
+                                           Range=f"bytes=0-{nbytes - 1}")["Body"].read()
         except self._botocore_exc.ClientError as e:
             code = self._code(e)
             if code in _MISSING:

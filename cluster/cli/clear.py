@@ -16,7 +16,9 @@
 ``--namespace`` is a chunk-namespace digest (16 hex chars, the first part of a chunk key);
 without it every namespace is deleted. ``--stale`` deletes only chunk objects of an *older*
 format version (written before an upgrade that moved it, never read again; one read of each
-object's 16-byte prefix), never a newer one. Prints what was deleted and kept per tier. Exit
+object's 16-byte prefix), never a newer one, and in Redis and S3, while this process has an
+object key, those whose header tag does not check under it (signed under a key since rotated,
+or unsigned: never read again; one read of each object's first 64 KiB). Prints what was deleted and kept per tier. Exit
 status: 0 when
 everything asked for was cleared; 1 when a shared tier failed, or nothing could be cleared
 (no shard reachable and, without ``--shared``, nothing else to do).
@@ -40,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "works without running shards or Ray. Without it Redis and S3 are left alone")
     p.add_argument("--stale", action="store_true",
                    help="only chunk objects of an older format version (written before an upgrade; "
-                        "never read again), keeping every current chunk and any newer-format one")
+                        "never read again) and, in Redis and S3, those signed under another object key "
+                        "(after a rotation) or unsigned, keeping every current chunk and any newer-format one")
 
 
 def run(args: argparse.Namespace) -> int:
