@@ -92,7 +92,7 @@ def test_kvblend_env_vars_are_config_fields(rendered):
         list(envmod.config_values(names, FIELD_SECTION))  # raises ValueError on an unknown one
         # KVBLEND_NODE_NAME (shards) and KVBLEND_OBJECT_KEY are no config fields but known
         # variables (cluster/env.py)
-        assert set(names) <= {"KVBLEND_CONFIG", "KVBLEND_REDIS_URL", "KVBLEND_LOCAL_FALLBACK",
+        assert set(names) <= {"KVBLEND_CONFIG", "KVBLEND_REDIS_PASSWORD", "KVBLEND_LOCAL_FALLBACK",
                               "KVBLEND_NODE_NAME", "KVBLEND_OBJECT_KEY", "KVBLEND_REDIS_TLS_CA_FILE",
                               "KVBLEND_REDIS_TLS_CERT_FILE", "KVBLEND_REDIS_TLS_KEY_FILE"}, where
 

@@ -165,7 +165,7 @@ def test_chart_env_reaches_a_tls_redis_and_round_trips_a_chunk(helm, private_red
                      "tls.key": Path(tls.client_key_file).read_text()},
         PW_SECRET: {PW_KEY: PW}}
     env = _kubelet_view(rendered, container, spec, cluster_secrets, tmp_path / "pod")
-    assert env["KVBLEND_REDIS_URL"] == f"rediss://:{PW}@127.0.0.1:{server.port}/0"
+    assert env["KVBLEND_REDIS_PASSWORD"] == PW and "KVBLEND_REDIS_URL" not in env  # whole, not in a URL
 
     cfg = load_config(environ=env)  # KVBLEND_CONFIG: the ConfigMap's file, then KVBLEND_* vars
     t = cfg.tiers

@@ -195,11 +195,9 @@ def test_no_secret_values_in_plain_env_or_configmaps(rendered):
         for e in container.get("env", []):
             if sensitive.search(e["name"]):
                 assert "secretKeyRef" in e.get("valueFrom", {}), f"{where}: {e['name']} not from a Secret"
-            if e["name"] == "KVBLEND_REDIS_URL":
-                # Built by Kubernetes from the REDIS_PASSWORD variable defined before it.
-                assert "$(REDIS_PASSWORD)@" in e["value"]
-                names = [x["name"] for x in container["env"]]
-                assert names.index("REDIS_PASSWORD") < names.index("KVBLEND_REDIS_URL")
+            # the password comes whole (KVBLEND_REDIS_PASSWORD), never inside a URL (#37: a
+            # password with '/', '#' or '?' broke a URL built from it)
+            assert e["name"] != "KVBLEND_REDIS_URL" and "$(" not in str(e.get("value", "")), where
 
 
 def test_redis_password_path(rendered):
@@ -210,13 +208,13 @@ def test_redis_password_path(rendered):
     for where, container in kvblend:
         env = {e["name"]: e for e in container["env"]}
         if redis["mode"] == "external" and redis["external"]["passwordSecret"]["name"]:
-            ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+            ref = env["KVBLEND_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
             assert ref == redis["external"]["passwordSecret"], where
         elif redis["mode"] == "internal":
-            ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+            ref = env["KVBLEND_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
             assert ref["name"] in rendered.secrets, where
         else:
-            assert "REDIS_PASSWORD" not in env and "KVBLEND_REDIS_URL" not in env, where
+            assert "KVBLEND_REDIS_PASSWORD" not in env and "KVBLEND_REDIS_URL" not in env, where
     if redis["mode"] == "internal":
         sts = rendered.one("StatefulSet", "redis")
         container = sts["spec"]["template"]["spec"]["containers"][0]

@@ -169,8 +169,8 @@ refuse the same values here, at install time, rather than in a crash-looping pod
 {{- end -}}
 
 {{/* Redis --------------------------------------------------------------------------------
-redis_url as written to the ConfigMap: never with a password (that comes through
-KVBLEND_REDIS_URL, built by Kubernetes from a secretKeyRef variable). */}}
+redis_url as written to the ConfigMap: never with a password (that comes whole through
+KVBLEND_REDIS_PASSWORD, a secretKeyRef variable). */}}
 {{- define "kvblend.redisHostPortDb" -}}
 {{- if eq .Values.redis.mode "internal" -}}
 {{- printf "%s.%s.svc:6379/0" (include "kvblend.redisInternalName" .) .Release.Namespace -}}
@@ -304,14 +304,13 @@ Secrets only through secretKeyRef. */}}
 {{- end }}
 {{- $pwSecret := include "kvblend.redisPasswordSecret" . }}
 {{- if $pwSecret }}
-- name: REDIS_PASSWORD
+{{- /* the password whole (redis-py's password option, tiers.redis_url: any characters, none
+percent-encoded); the ConfigMap's redis_url carries none (issue 37) */}}
+- name: KVBLEND_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ $pwSecret }}
       key: {{ include "kvblend.redisPasswordKey" . }}
-{{- /* Kubernetes expands $(REDIS_PASSWORD) here; the env var overrides the file's redis_url. */}}
-- name: KVBLEND_REDIS_URL
-  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s" (include "kvblend.redisScheme" .) (include "kvblend.redisHostPortDb" .) | quote }}
 {{- end }}
 {{- if and .Values.s3.enabled .Values.s3.credentialsSecret.name }}
 - name: AWS_ACCESS_KEY_ID
