@@ -132,10 +132,12 @@ def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path
     client = OpenAI(base_url=url + "/v1", api_key="EMPTY")
     model = client.models.list().data[0].id
 
-    def complete(prompt, params=None) -> str:
-        extra = {"kv_transfer_params": params} if params else None
+    def complete(prompt, params=None, salt=None) -> str:
+        extra = {"kv_transfer_params": params} if params else {}
+        if salt:
+            extra["cache_salt"] = salt
         out = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, top_p=0.95,
-                                        extra_body=extra)
+                                        extra_body=extra or None)
         return out.choices[0].text
 
     def counter(name: str) -> float:
@@ -158,9 +160,9 @@ def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path
             assert time.time() < deadline, f"timed out waiting for {what}"
             time.sleep(0.5)
 
-    def hits_of(prompt, at_least: int) -> tuple[float, str]:
+    def hits_of(prompt, at_least: int, params=None) -> tuple[float, str]:
         before = counter("hit_segments")
-        text = complete(prompt)
+        text = complete(prompt, params)
         deadline = time.time() + 20  # vLLM's stats loop publishes a step's counters a little later
         while counter("hit_segments") - before < at_least and time.time() < deadline:
             time.sleep(0.5)
@@ -176,8 +178,16 @@ def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path
     blend_hits, text = hits_of(blend, 4)
     assert blend_hits == 4, f"{blend_hits} hit segments (want the system prompt + 3 chunks)"
     assert text
-    # the oracle: with every token recomputed the blend answers as full prefill does
-    assert complete(blend, {"kvblend_recompute_ratio": 1.0}) == complete(blend, {"kvblend_load": False})
+    # the oracle: with every token recomputed a blend answers as full prefill does. A blend's
+    # KV (approximate below ratio 1.0) enters vLLM's prefix cache like any computed block, so a
+    # later request with the same leading tokens would read it: the check takes an order of the
+    # chunks no request has sent, and full prefill runs under a cache_salt of its own (no block
+    # and no chunk shared with the blend), first
+    oracle = system + sep + chunks[2] + sep + chunks[1] + sep + chunks[0] + sep + "Hello, how are you?"
+    full = complete(oracle, {"kvblend_load": False, "kvblend_store": False}, salt="oracle-completion")
+    r1_hits, r1_text = hits_of(oracle, 4, {"kvblend_recompute_ratio": 1.0})
+    assert r1_hits == 4, f"{r1_hits} hit segments at ratio 1.0 (want the system prompt + 3 chunks)"
+    assert r1_text == full
 
     # the control: the same prompt as vLLM's hf mode tokenizes it, one string
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
@@ -194,21 +204,28 @@ def test_lmcache_blend_recipe_hits_every_chunk(readme_lmcache_vllm, smollm2_path
 
     # issue 35, through the chat API and --tokenizer-mode kvblend: a system message and a user
     # message `chunk # # chunk # # chunk # # question` (no leading separator) hit the three
-    # chunks, the first included, and at ratio 1.0 answer as full prefill does
-    def chat(params=None) -> tuple[float, str]:
+    # chunks, the first included, and at ratio 1.0 answer as full prefill does (the oracle as
+    # above: an order never sent, full prefill first under its own cache_salt)
+    def chat(order, params=None, salt=None) -> tuple[float, str]:
+        extra = {"kv_transfer_params": params} if params else {}
+        if salt:
+            extra["cache_salt"] = salt
         before = counter("hit_segments")
         out = client.chat.completions.create(
-            model=model, max_tokens=10, temperature=0, extra_body={"kv_transfer_params": params} if params else None,
+            model=model, max_tokens=10, temperature=0, extra_body=extra or None,
             messages=[{"role": "system", "content": system},
-                      {"role": "user", "content": sep.join([chunks[2], chunks[0], chunks[1], "Which greeting?"])}])
+                      {"role": "user", "content": sep.join([chunks[i] for i in order] + ["Which greeting?"])}])
         deadline = time.time() + 20  # vLLM's stats loop publishes a step's counters a little later
-        while counter("hit_segments") - before < 3 and time.time() < deadline:
+        while not salt and counter("hit_segments") - before < 3 and time.time() < deadline:
             time.sleep(0.5)
         return counter("hit_segments") - before, out.choices[0].message.content
 
-    chat_hits, _ = chat()
+    chat_hits, _ = chat((2, 0, 1))
     assert chat_hits >= 3, f"{chat_hits} hit segments in a chat (want the 3 chunks, the first included)"
-    assert chat({"kvblend_recompute_ratio": 1.0})[1] == chat({"kvblend_load": False})[1]
+    _, full = chat((1, 2, 0), {"kvblend_load": False, "kvblend_store": False}, salt="oracle-chat")
+    r1_hits, r1_text = chat((1, 2, 0), {"kvblend_recompute_ratio": 1.0})
+    assert r1_hits >= 3, f"{r1_hits} hit segments in a chat at ratio 1.0"
+    assert r1_text == full
 
 
 def test_separator_in_context(readme_vllm, tmp_path):
