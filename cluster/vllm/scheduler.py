@@ -39,6 +39,7 @@ so tests drive it with a fake ``Request`` and ``KVCacheBlocks`` and no engine.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,6 +165,7 @@ class KVBlendScheduler:
         self._requests: dict[str, _ReqState] = {}
         self._store_keys: OrderedDict[ChunkKey, None] = OrderedDict()
         self._async_ready: list[str] = []    # async claims allocated, not yet sent
+        self._plan_started = 0.0              # perf_counter() at the current plan's start
 
     @property
     def tokenizer(self):
@@ -207,6 +209,7 @@ class KVBlendScheduler:
         old = self._requests.get(rid)
         if old is not None and old.token_ids == token_ids:
             return old  # called again for the same request (side-effect free)
+        self._plan_started = time.perf_counter()  # the lookup event's plan_s (TTFT breakdown)
         state = _ReqState(token_ids=token_ids)
         tenant, uncacheable = request_tenant(request)
         if uncacheable is not None:  # its KV depends on more than its token ids: never cached
@@ -304,7 +307,8 @@ class KVBlendScheduler:
                            tier_hits=_count_tiers(plan.hit_segments),
                            reusable_tokens=plan.num_reused_tokens, blend_end=plan.blend_end,
                            full_prefill_reason=plan.full_prefill_reason,
-                           num_store_segments=num_store, num_standalone_segments=state.num_standalone)
+                           num_store_segments=num_store, num_standalone_segments=state.num_standalone,
+                           plan_s=time.perf_counter() - self._plan_started)
 
     def _plan_prefix(self, rid: str, state: _ReqState, tenant: str, *, load: bool, store: bool) -> None:
         """Prefix path: claim the leading cached chunks (whole chunks ending before the last
@@ -336,7 +340,8 @@ class KVBlendScheduler:
             num_store = len(todo_keys)
         self._events.write("lookup", request_id=rid, path=path, num_tokens=n,
                            num_prefix_chunks=len(keys), num_prefix_hits=hits,
-                           num_store_prefix=num_store, num_standalone_segments=state.num_standalone)
+                           num_store_prefix=num_store, num_standalone_segments=state.num_standalone,
+                           plan_s=time.perf_counter() - self._plan_started)
 
     def _store_standalone(self, state: _ReqState, spans: list[tuple[int, int]], tenant: str) -> None:
         """Store spans of a prompt that LMCache's recipes send to precompute a chunk (see

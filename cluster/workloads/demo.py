@@ -40,6 +40,7 @@ from cluster.vllm.events import read_events
 from cluster.workloads.demo_report import ModeResult, Steps, connector_summary, write_report
 from cluster.workloads.local_ray import LocalRay
 from cluster.workloads.replicas import kvblend_cli
+from cluster.workloads.ttft_breakdown import ttft_breakdown
 
 log = logging.getLogger("kvblend.demo")
 
@@ -162,6 +163,7 @@ def _serve_queries(mode: str, replicas, prompts, warm_prompts, max_tokens, *, sa
         c = send(rep, prompt, max_tokens)
         res.ttft_s.append(c.ttft_s)
         res.answers.append(c.text.strip())
+        res.requests.append({"id": c.id, "sent_at": c.sent_at, "ttft_s": c.ttft_s})
         log.info("[%s] q%02d via %s: TTFT %.3f s, answer %r", mode, i, rep.name, c.ttft_s, c.text.strip())
     res.serving_s = time.perf_counter() - t0
     return res
@@ -371,7 +373,9 @@ def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
     finally:
         for r in reps:
             r.stop()
-    res.extra = connector_summary(read_events(stats_path)[mark.get("n", 0):])
+    events = read_events(stats_path)
+    res.extra = connector_summary(events[mark.get("n", 0):])
+    res.extra["ttft_breakdown"] = ttft_breakdown(res.requests, events)
     status = kvblend_cli("status", "--json", "--address", ray_address, check=False)
     if status.returncode == 0:
         try:

@@ -34,6 +34,8 @@ class ModeResult:
     answers: list[str] = field(default_factory=list)
     serving_s: float = 0.0      # wall seconds of the measured queries
     extra: dict = field(default_factory=dict)
+    #: per measured query: ``{"id", "sent_at", "ttft_s"}`` (:mod:`cluster.workloads.ttft_breakdown`)
+    requests: list[dict] = field(default_factory=list)
 
     def summary(self, full: ModeResult | None, golds) -> dict:
         from cluster.workloads.qa import max_f1, token_f1
@@ -165,6 +167,11 @@ def print_table(summary: dict) -> None:
         console.print("steps (wall s, busy cores): " + ", ".join(
             f"{k} {v['wall_s']:.0f}" + (f" ({v['cores_busy']:.1f})" if "cores_busy" in v else "")
             for k, v in steps.items()))
+    breakdown = (summary.get("kvblend") or {}).get("ttft_breakdown")
+    if breakdown:
+        from cluster.workloads.ttft_breakdown import format_breakdown
+
+        console.print(format_breakdown(breakdown), highlight=False)
     if "elapsed_s" in meta:
         console.print(f"demo took {meta['elapsed_s']:.0f} s")
 

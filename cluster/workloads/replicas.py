@@ -153,9 +153,15 @@ def tail(path: str, n: int = 40) -> str:
 
 @dataclass(frozen=True)
 class Completion:
+    """A streamed completion: ``ttft_s``/``total_s`` from the request's send; ``sent_at``: that
+    send, wall-clock seconds (``time.time()``, comparable with the connector's event times);
+    ``id``: the response's id (vLLM's request id in the connector's events starts with it)."""
+
     text: str
     ttft_s: float
     total_s: float
+    sent_at: float = 0.0
+    id: str = ""
 
 
 def complete(url: str, prompt: str | list[int], max_tokens: int = 16, timeout_s: float = 600.0,
@@ -174,8 +180,10 @@ def complete(url: str, prompt: str | list[int], max_tokens: int = 16, timeout_s:
         body["kv_transfer_params"] = kv_transfer_params
     if cache_salt:
         body["cache_salt"] = cache_salt
+    sent_at = time.time()
     t0 = time.perf_counter()
     ttft = None
+    rid = ""
     parts: list[str] = []
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=timeout_s) as r:
         if r.status_code != 200:
@@ -189,9 +197,10 @@ def complete(url: str, prompt: str | list[int], max_tokens: int = 16, timeout_s:
             if ttft is None:
                 ttft = time.perf_counter() - t0
             chunk = json.loads(data)
+            rid = rid or str(chunk.get("id", ""))
             parts.append(chunk["choices"][0].get("text", ""))
     total = time.perf_counter() - t0
-    return Completion("".join(parts), ttft if ttft is not None else total, total)
+    return Completion("".join(parts), ttft if ttft is not None else total, total, sent_at, rid)
 
 
 def kvblend_cli(*args: str, check: bool = True, env: dict[str, str] | None = None,
