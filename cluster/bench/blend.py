@@ -58,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", required=True, metavar="PATH", help="write results here (a PNG goes beside it)")
     p.add_argument("--dataset", default="musique",
                    help="musique, wikimqa or a *.norm.jsonl path; comma-separated for several (a table each)")
-    p.add_argument("--num-examples", type=int, default=20, help="first N rows (default 20)")
+    p.add_argument("--num-examples", type=int, default=20, help="first N rows (default 20; --rows instead)")
+    p.add_argument("--rows", default="", metavar="A:B",
+                   help="rows A..B-1 of each dataset (0-based, as Python slices; e.g. 20:150 to tune on "
+                        "MuSiQue, 20:102 to report on 2WikiMQA); overrides --num-examples")
     p.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"recompute ratios (default {DEFAULT_RATIOS})")
     p.add_argument("--check-layers", default="1", help="0-based check layers, comma-separated (default 1)")
     p.add_argument("--model", default="smollm2", help="bundled model name or HF folder (default smollm2)")
@@ -87,6 +90,40 @@ def _floats(text: str, name: str) -> list[float]:
     if not vals:
         raise ValueError(f"--{name}={text!r}: give at least one value")
     return vals
+
+
+def parse_rows(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> ``(A, B)``: rows ``A <= i < B`` (0-based).
+
+    Raises:
+        ValueError: not two integers with ``0 <= A < B``.
+    """
+    parts = text.split(":")
+    try:
+        start, stop = (int(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"--rows={text!r}: expected A:B, two integers (e.g. 20:150)") from None
+    if not 0 <= start < stop:
+        raise ValueError(f"--rows={text!r}: need 0 <= A < B")
+    return start, stop
+
+
+def load_rows(dataset: str, rows: str, num_examples: int) -> list:
+    """Rows ``A..B-1`` of ``dataset`` for ``rows`` = ``"A:B"`` (:func:`parse_rows`), else its
+    first ``num_examples`` rows, as :class:`cluster.workloads.qa.QAExample`.
+
+    Raises:
+        ValueError: a malformed slice, or one reaching past the dataset's last row.
+    """
+    from cluster.workloads.qa import load_examples, resolve_dataset
+
+    if not rows:
+        return load_examples(resolve_dataset(dataset), limit=num_examples)
+    start, stop = parse_rows(rows)
+    examples = load_examples(resolve_dataset(dataset), limit=stop)
+    if len(examples) < stop:
+        raise ValueError(f"--rows={rows}: {dataset} has {len(examples)} rows")
+    return examples[start:stop]
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
@@ -136,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     selections = parse_selections(args.selection)
     if args.num_examples <= 0:
         raise ValueError(f"--num-examples={args.num_examples} must be positive")
+    if args.rows:
+        parse_rows(args.rows)  # a malformed slice fails before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = _modes(ratios, selections)
@@ -215,10 +254,8 @@ class _Bench:
         self.config = config.blend
 
     def load(self, dataset: str) -> list:
-        """The first ``--num-examples`` rows of ``dataset``."""
-        from cluster.workloads.qa import load_examples, resolve_dataset
-
-        return load_examples(resolve_dataset(dataset), limit=self.args.num_examples)
+        """The examples of ``dataset`` this run measures (:func:`load_rows`)."""
+        return load_rows(dataset, self.args.rows, self.args.num_examples)
 
     def close(self) -> None:
         self.source.close()
@@ -328,7 +365,7 @@ def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[d
     """One dataset's summary (per mode, see the module docstring), its meta and its rows."""
     summary = report.summarize(rows, [m.name for m in modes])
     summary["meta"] = {
-        "dataset": dataset, "num_examples": len(rows), "model": bench.path, "dtype": args.dtype,
+        "dataset": dataset, "num_examples": len(rows), "rows": args.rows or f"0:{len(rows)}", "model": bench.path, "dtype": args.dtype,
         "threads": bench.torch.get_num_threads(), "device": str(bench.device), "check_layers": list(check_layers),
         "separator": bench.separator, "probe_layers": args.probe_layers or list(bench.config.probe_layers),
         "sink_tokens": bench.config.sink_tokens if args.sink_tokens is None else args.sink_tokens,

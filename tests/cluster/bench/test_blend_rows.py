@@ -1,0 +1,50 @@
+"""``kvblend bench blend --rows A:B`` (issue 38): the slice names exactly rows A..B-1 of the
+file, the tuning and reporting splits are disjoint, and malformed or out-of-range slices are
+errors before anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.bench.blend import load_rows, parse_rows
+from cluster.workloads.qa import resolve_dataset
+
+pytestmark = pytest.mark.unit
+
+
+def _ids(dataset: str) -> list[str]:
+    with open(resolve_dataset(dataset)) as fh:
+        return [str(json.loads(line)["id"]) for line in fh if line.strip()]
+
+
+@pytest.mark.parametrize("dataset, rows, start, stop", [("musique", "20:150", 20, 150),
+                                                         ("wikimqa", "20:102", 20, 102),
+                                                         ("wikimqa", "0:20", 0, 20)])
+def test_rows_pick_exactly_the_rows_named(dataset, rows, start, stop):
+    got = load_rows(dataset, rows, num_examples=5)
+    assert [ex.id for ex in got] == _ids(dataset)[start:stop]
+
+
+def test_without_rows_the_first_n_rows_are_read():
+    assert [ex.id for ex in load_rows("musique", "", num_examples=3)] == _ids("musique")[:3]
+
+
+def test_tuning_and_reporting_rows_share_no_example():
+    tune = {ex.id for ex in load_rows("musique", "20:150", 0)}
+    report = {ex.id for ex in load_rows("wikimqa", "20:102", 0)}
+    seen = {ex.id for ex in load_rows("musique", "0:20", 0)} | {ex.id for ex in load_rows("wikimqa", "0:20", 0)}
+    assert len(tune) == 130 and len(report) == 82
+    assert not tune & report and not (tune | report) & seen
+
+
+@pytest.mark.parametrize("bad", ["20", "a:b", "20:10", "-1:5", "5:5", "1:2:3"])
+def test_malformed_rows_are_refused(bad):
+    with pytest.raises(ValueError, match="--rows"):
+        parse_rows(bad)
+
+
+def test_rows_past_the_end_are_refused():
+    with pytest.raises(ValueError, match="102 rows"):
+        load_rows("wikimqa", "20:103", 0)
