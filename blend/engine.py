@@ -19,9 +19,8 @@ probe of the query's attention over the cached context (:mod:`blend.query_select
 no layer computes every row and the check layers are not used. ``query_k_deviation`` is
 their union within the same budget: the probe chooses half of it before layer 0, every row
 is computed up to the check layers as in CacheBlend, and K deviation fills the rest there.
-Selection is one hook,
-:meth:`BlendEngine._select` at a check layer or :meth:`BlendEngine._select_by_query` before
-the layer loop; the loop itself is the same for every mode.
+Selection is one hook, :meth:`BlendEngine._select` at a check layer or
+:meth:`BlendEngine._select_by_query` before the layer loop; the loop is the same in every mode.
 
 Every cached layer the request needs (the first check layer and up) is requested from the
 :class:`KVSource` in one call when the blend starts; the source moves them in the background
@@ -42,8 +41,7 @@ With a ``process_group`` (tensor parallelism by KV heads, issue 10) the check la
 summed over the ranks before top-k, so every rank selects the same rows.
 
 Axis letters: T prompt tokens blended (``blend_end``), Rh rows of hit chunks, Rc reused rows
-computed at a check layer, A computed rows, H KV heads, Hq query heads, D head dim, E hidden,
-V vocab.
+computed at a check layer, A computed rows, H KV heads, Hq query heads, D head dim, E hidden, V vocab.
 """
 
 from __future__ import annotations
@@ -300,7 +298,7 @@ class BlendEngine:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
         return int(flag) == 0
 
-    def _start_fetch(self, rows: RequestRows, first_check: int) -> dict[int, Future]:
+    def _start_fetch(self, rows: RequestRows, first_check: int, counters: BlendCounters) -> dict[int, Future]:
         """Ask the source once for every layer from the first check layer up (the source moves
         them while the engine computes; CacheBlend §5). Layers below the first check layer
         never need the cache. A source that raises here sends the request to full prefill
@@ -308,11 +306,15 @@ class BlendEngine:
         if not rows.keys:
             return {}
         layers = list(range(first_check, self.spec.num_layers))
+        t0 = time.perf_counter()
         try:
             futs = self.source.fetch_layers(rows.keys, layers)
         except Exception as e:  # a broken source is a miss, never a failed request
             log.warning("fetch of the cached layers failed (%s: %s)", type(e).__name__, e)
             return {}
+        if futs:  # counters.transfer_s, the cost estimates' sample: when the last layer arrived
+            futs[-1].add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                       or setattr(counters, "transfer_s", time.perf_counter() - t0))
         return dict(zip(layers, futs, strict=False))
 
     def _layer_result(self, fut: Future | None, layer_idx: int) -> list[torch.Tensor | None] | None:
@@ -438,7 +440,7 @@ class BlendEngine:
             first_check = 0
             if plan.selection == "query_attention":
                 check_layers, last_check = [], -1
-        pending = self._start_fetch(rows, first_check)  # {layer: future}, every layer at once
+        pending = self._start_fetch(rows, first_check, counters)  # {layer: future}, every layer at once
         active = positions  # [A] rows computed in this layer, ascending
         probed: dict[int, torch.Tensor] = {}  # layer -> buffer the query probe filled
         row_mask = None     # the final rows' attention mask (CUDA), built at the last check layer

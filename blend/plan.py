@@ -39,6 +39,9 @@ class Segment:
         stored_positions: positions the cached K was rotated at (hits only; canonical
             chunks are stored at ``0..n-1``).
         tier: the tier that answered the lookup (hits only; e.g. ``host``, ``disk``).
+        recomputed: cached, but computed like a miss because loading it was priced slower
+            (:func:`blend.cost.apply_choice`; then ``hit`` is False and ``tier`` kept). Not a
+            miss: it is never stored again.
     """
 
     kind: str
@@ -48,6 +51,7 @@ class Segment:
     hit: bool = False
     stored_positions: tuple[int, ...] = ()
     tier: str = ""
+    recomputed: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -125,7 +129,9 @@ class BlendPlan:
 
     @property
     def missed_segments(self) -> tuple[Segment, ...]:
-        return tuple(s for s in self.segments if s.kind == CHUNK and not s.hit)
+        """Chunks the cache does not hold (computed, and stored afterwards); a hit the plan
+        recomputes (``recomputed``) is not one."""
+        return tuple(s for s in self.segments if s.kind == CHUNK and not s.hit and not s.recomputed)
 
     @property
     def num_reused_tokens(self) -> int:

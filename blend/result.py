@@ -35,6 +35,9 @@ class BlendCounters:
             ``compute_s``; its load waits are in ``load_wait_s``).
         load_wait_s: time the engine waited for the source.
         compute_s: the rest of the request's wall time.
+        transfer_s: seconds from asking the source for the cached layers to the last one's
+            arrival (0 when none was asked for or not all arrived); the cost estimates'
+            transfer sample (:mod:`cluster.vllm.costs`).
         full_prefill_reason: why the request was computed by full prefill (None when blended).
     """
 
@@ -49,6 +52,7 @@ class BlendCounters:
     probe_s: float = 0.0
     load_wait_s: float = 0.0
     compute_s: float = 0.0
+    transfer_s: float = 0.0
     full_prefill_reason: str | None = None
 
 

@@ -1,0 +1,160 @@
+"""Cost-aware plans: load a hit chunk, or recompute it, whichever brings the first token sooner.
+
+On a GPU a chunk read from disk, Redis or S3 can arrive later than the chunk could be
+recomputed (issue 34: a disk-tier blend of a 7B-shaped model was 2.0-3.7x slower than full
+prefill on an H200; SIFT, arXiv 2606.09441, finds the same); on a CPU the opposite holds. So the
+planner prices both, from estimates kept up to date by the process that serves
+(:class:`CostEstimates`), and :func:`choose` decides per hit chunk when the plan is built.
+
+The model of one blend (CacheBlend's layer pipeline, Yao et al., EuroSys 2025, §5: layer
+``l + 1``'s KV moves while layer ``l`` computes)::
+
+    rows(L)     = always computed rows + tokens of the hits not in L + ceil(ratio * tokens of L)
+    compute(L)  = estimates.compute_s(rows(L), T)
+    transfer(L) = estimates.transfer_s({tier: bytes of L's chunks there})
+    blend(L)    = max(compute, transfer) + min(compute, transfer) / num_layers
+
+for the set ``L`` of hit chunks loaded (the others are recomputed with the prompt's new
+tokens, like misses). Full prefill costs ``compute_s(T, T)``. Chunks are ordered by their
+transfer time per token (the fastest tiers first) and every prefix of that order is priced,
+from "load none" (full prefill) to "load all" (today's plan); the cheapest wins, ties going to
+more loads. So when some chunks are fast and others slow the slow ones are recomputed while the
+fast ones load: Cake (Jin et al., arXiv 2410.03065) computes the front of a prompt while the
+back loads; here the split falls per chunk, in CacheBlend's pipeline, wherever the prices say.
+
+Until the estimates know the compute speed (``compute_known`` false: no request measured yet)
+every hit is loaded, as before this choice existed. ``explore``: tiers to load at least one
+chunk of (their fastest) whatever the prices, so a tier that was slow and recovered is
+measured again (the caller decides which; :mod:`cluster.vllm.costs` does, every few plans).
+
+Bookkeeping only: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from blend.plan import CHUNK, BlendPlan
+
+
+class CostEstimates(Protocol):
+    """What :func:`choose` needs to know, in seconds (implemented by
+    :class:`cluster.vllm.costs.CostEstimator`)."""
+
+    @property
+    def compute_known(self) -> bool:
+        """Whether :meth:`compute_s` rests on measurements (False: none yet)."""
+        ...
+
+    def compute_s(self, rows: int, keys: int) -> float:
+        """Seconds to compute ``rows`` prompt rows through every layer, attending causally over
+        a prompt of ``keys`` tokens (``rows == keys``: full prefill)."""
+        ...
+
+    def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
+        """Seconds until every layer of chunks holding ``bytes_by_tier`` bytes (per tier that
+        answered their lookup) is on the device; 0 for no bytes."""
+        ...
+
+
+@dataclass(frozen=True)
+class CostChoice:
+    """What :func:`choose` decided for one plan, and the prices it compared.
+
+    Attributes:
+        recomputed: indices into ``plan.segments`` of the hit chunks recomputed instead of loaded.
+        full_prefill: recomputing every hit was cheapest (the plan falls back to full prefill).
+        blend_s: the expected time of the choice (``full_s`` when ``full_prefill``).
+        always_load_s: the expected time of loading every hit.
+        full_s: the expected time of full prefill of ``[0, blend_end)``.
+        tiers: per hit chunk (in segment order) ``(segment index, tier, tokens, "load" |
+            "recompute")``, for the event log.
+    """
+
+    recomputed: tuple[int, ...]
+    full_prefill: bool
+    blend_s: float
+    always_load_s: float
+    full_s: float
+    tiers: tuple[tuple[int, str, int, str], ...]
+
+
+def blend_seconds(compute_s: float, transfer_s: float, num_layers: int) -> float:
+    """The layer pipeline's time: the longer of compute and transfer, plus the shorter one's
+    first layer (the pipeline fills and drains once)."""
+    return max(compute_s, transfer_s) + min(compute_s, transfer_s) / max(1, num_layers)
+
+
+def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int, num_layers: int,
+           explore: Collection[str] = ()) -> CostChoice | None:
+    """Price loading against recomputing each hit chunk of ``plan`` (module docstring).
+
+    Args:
+        plan: a plan that blends (:func:`blend.planner.make_plan`); its hits carry their tier.
+        estimates: the serving process's :class:`CostEstimates`.
+        kv_bytes_per_token: bytes of one token's KV in every layer (K and V), as stored.
+        num_layers: the model's decoder layers.
+        explore: tiers of which at least the fastest chunk is loaded whatever the prices.
+
+    Returns:
+        The choice, or None when there is nothing to choose (no hit, the plan does not blend,
+        or the compute speed is not known yet: every hit is loaded).
+    """
+    if not plan.blend or not estimates.compute_known:
+        return None
+    hits = [(i, s) for i, s in enumerate(plan.segments)
+            if s.kind == CHUNK and s.hit and s.end <= plan.blend_end]
+    if not hits:
+        return None
+    keys = plan.blend_end
+    ratio = plan.recompute_ratios[0] if plan.recompute_ratios else 0.0
+    hit_tokens = sum(s.num_tokens for _, s in hits)
+    base_rows = keys - hit_tokens
+
+    def per_token(item) -> float:
+        _, s = item
+        return estimates.transfer_s({s.tier: s.num_tokens * kv_bytes_per_token}) / max(1, s.num_tokens)
+
+    order = sorted(hits, key=per_token)  # stable: equal tiers keep prompt order
+    forced = set()
+    for tier in explore:
+        first = next((i for i, s in order if s.tier == tier), None)
+        if first is not None:
+            forced.add(first)
+    order = [h for h in order if h[0] in forced] + [h for h in order if h[0] not in forced]
+
+    def price(loaded: Sequence[tuple[int, object]]) -> float:
+        tokens = sum(s.num_tokens for _, s in loaded)
+        rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens)
+        by_tier: dict[str, int] = {}
+        for _, s in loaded:
+            by_tier[s.tier] = by_tier.get(s.tier, 0) + s.num_tokens * kv_bytes_per_token
+        return blend_seconds(estimates.compute_s(rows, keys), estimates.transfer_s(by_tier), num_layers)
+
+    full_s = estimates.compute_s(keys, keys)
+    prices = [full_s if k == 0 else price(order[:k]) for k in range(len(order) + 1)]
+    lowest = len(forced)  # the explored chunks are always loaded
+    best = min(range(lowest, len(prices)), key=lambda k: (prices[k], -k))
+    loaded = {i for i, _ in order[:best]}
+    labels = tuple((i, s.tier, s.num_tokens, "load" if i in loaded else "recompute") for i, s in hits)
+    return CostChoice(tuple(i for i, _ in hits if i not in loaded), best == 0, prices[best], prices[-1],
+                      full_s, labels)
+
+
+def apply_choice(plan: BlendPlan, choice: CostChoice | None) -> BlendPlan:
+    """``plan`` with ``choice`` applied: its recomputed hits become computed segments
+    (``hit=False``, ``recomputed=True``: still cached, so never stored again), and a
+    ``full_prefill`` choice sets ``full_prefill_reason``. Unchanged for None."""
+    if choice is None or (not choice.recomputed and not choice.full_prefill):
+        return plan
+    chosen = set(choice.recomputed)
+    segments = tuple(replace(s, hit=False, recomputed=True) if i in chosen else s
+                     for i, s in enumerate(plan.segments))
+    reason = plan.full_prefill_reason
+    if choice.full_prefill:
+        reason = (f"cost: full prefill {choice.full_s:.3f} s expected, loading "
+                  f"{choice.always_load_s:.3f} s")
+    return replace(plan, segments=segments, full_prefill_reason=reason)

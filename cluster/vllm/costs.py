@@ -1,0 +1,183 @@
+"""The serving process's estimates of what loading and computing cost (issue 34), kept up to
+date from its own requests: :class:`CostEstimator` implements :class:`blend.cost.CostEstimates`.
+
+* **Compute.** A request's compute is modelled as ``seconds = c0 + s * W`` with
+  ``W = rows * (k_lin + keys / 2)``: ``rows`` computed per layer (mean over layers), each
+  through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
+  key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
+  the prompt's ``keys`` on average (causal). ``c0`` (per-request overhead) and ``s`` are fitted
+  by least squares over the samples with exponential forgetting (:data:`FORGET`), so they
+  follow a machine that slows down. Samples: every blend (its ``compute_s``, load waits
+  excluded, and its rows per layer) and every prefill the worker runs (canonical KV of stored
+  chunks, fallbacks). Until the first sample :attr:`compute_known` is False and the planner
+  loads every hit, as before this existed.
+* **Transfer**, per tier that answered a lookup (``gpu``, ``host``, ``disk``, ``redis``,
+  ``s3``): ``seconds = latency + bytes / bandwidth``, tiers read one after another (one pipe:
+  the shard, the agent, shared memory and staging are shared). Priors: :data:`PRIORS` (a
+  conservative guess per tier, replaced by what is measured). A sample is a blend's bytes per
+  tier and the seconds from asking for its layers to the last layer's arrival; the seconds are
+  shared out among the tiers in proportion to what the estimates predicted for each, and each
+  tier's seconds per byte moves :data:`ALPHA` of the way to its share.
+* **Exploration.** A tier whose chunks the planner keeps recomputing is no longer measured; after
+  :data:`EXPLORE_AFTER` plans in a row that had hits there and loaded none, :meth:`explore`
+  names it and the next plan loads one chunk of it (the planner's ``explore``).
+
+Lives in the scheduler half's process, fed by the worker halves through vLLM's worker metadata
+(:class:`CostSamples`, built by the worker each step, aggregated by vLLM, handed to the
+scheduler's ``update_connector_output``). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+#: tier -> (latency s, bandwidth bytes/s) before anything is measured
+PRIORS: dict[str, tuple[float, float]] = {
+    "gpu": (0.0, 1e12), "host": (0.001, 10e9), "disk": (0.005, 1.5e9),
+    "redis": (0.002, 0.5e9), "s3": (0.05, 0.1e9),
+}
+#: prior of a tier not in PRIORS
+DEFAULT_PRIOR = (0.01, 1e9)
+#: weight of the newest transfer sample in a tier's estimate
+ALPHA = 0.3
+#: forgetting factor of the compute fit (per sample)
+FORGET = 0.9
+#: plans in a row with hits in a tier and none loaded before that tier is explored
+EXPLORE_AFTER = 8
+
+
+def linear_keys(hidden: int, kv_dim: int, intermediate: int) -> float:
+    """``k_lin``: a row's linear-map FLOPs per layer in units of one key's attention FLOPs
+    (q/k/v, o and a gated MLP over ``4 * hidden`` FLOPs per key)."""
+    return hidden + kv_dim + 1.5 * intermediate
+
+
+@dataclass
+class CostSamples:
+    """Measurements of one worker step, sent to the scheduler half (picklable).
+
+    Attributes:
+        compute: ``(rows per layer, keys, seconds)`` per blend or prefill.
+        transfer: ``({tier: bytes}, seconds)`` per blend that loaded chunks.
+    """
+
+    compute: list[tuple[float, int, float]] = field(default_factory=list)
+    transfer: list[tuple[dict[str, int], float]] = field(default_factory=list)
+
+    def merge(self, other: CostSamples) -> CostSamples:
+        return CostSamples(self.compute + other.compute, self.transfer + other.transfer)
+
+    def __bool__(self) -> bool:
+        return bool(self.compute or self.transfer)
+
+
+class CostEstimator:
+    """See the module docstring.
+
+    Args:
+        k_lin: :func:`linear_keys` of the served model.
+        priors: tier -> ``(latency s, bytes/s)`` overriding :data:`PRIORS`.
+    """
+
+    def __init__(self, k_lin: float, priors: Mapping[str, tuple[float, float]] | None = None) -> None:
+        self.k_lin = float(k_lin)
+        self._priors = {**PRIORS, **(priors or {})}
+        self._tiers: dict[str, list[float]] = {}     # tier -> [latency s, seconds per byte]
+        self._fit = [0.0] * 5                         # weighted sums: n, W, S, W*W, W*S
+        self._c0, self._s = 0.0, 0.0
+        self._unexplored: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------------- CostEstimates
+    @property
+    def compute_known(self) -> bool:
+        with self._lock:
+            return self._s > 0.0
+
+    def work(self, rows: float, keys: int) -> float:
+        return float(rows) * (self.k_lin + keys / 2.0)
+
+    def compute_s(self, rows: int, keys: int) -> float:
+        with self._lock:
+            return self._c0 + self._s * self.work(rows, keys)
+
+    def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
+        with self._lock:
+            return sum(self._predict(t, n) for t, n in bytes_by_tier.items() if n > 0)
+
+    def _predict(self, tier: str, nbytes: int) -> float:
+        lat, spb = self._tier(tier)
+        return lat + nbytes * spb
+
+    def _tier(self, tier: str) -> list[float]:
+        got = self._tiers.get(tier)
+        if got is None:
+            lat, bw = self._priors.get(tier, DEFAULT_PRIOR)
+            got = self._tiers[tier] = [lat, 1.0 / bw]
+        return got
+
+    # -------------------------------------------------------------------- updates
+    def add(self, samples: CostSamples) -> None:
+        """Fold a worker step's measurements in (bad samples — non-positive or non-finite — are skipped)."""
+        for rows, keys, seconds in samples.compute:
+            self.add_compute(rows, keys, seconds)
+        for by_tier, seconds in samples.transfer:
+            self.add_transfer(by_tier, seconds)
+
+    def add_compute(self, rows: float, keys: int, seconds: float) -> None:
+        w = self.work(rows, keys)
+        if not (w > 0 and 0 < seconds < float("inf")):
+            return
+        with self._lock:
+            f = self._fit
+            for i, v in enumerate((1.0, w, seconds, w * w, w * seconds)):
+                f[i] = FORGET * f[i] + v
+            n, sw, ss, sww, sws = f
+            den = n * sww - sw * sw
+            slope = (n * sws - sw * ss) / den if n > 1.5 and den > 1e-12 * n * sww else 0.0
+            if slope > 0:
+                c0 = (ss - slope * sw) / n
+                if c0 < 0:  # no negative overhead: the line through the origin
+                    c0, slope = 0.0, sws / sww
+            else:
+                c0, slope = 0.0, sws / sww
+            self._c0, self._s = c0, slope
+
+    def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float) -> None:
+        if not 0 < seconds < float("inf"):
+            return
+        with self._lock:
+            parts = {t: n for t, n in bytes_by_tier.items() if n > 0}
+            predicted = {t: self._predict(t, n) for t, n in parts.items()}
+            total = sum(predicted.values())
+            if total <= 0:
+                return
+            for t, n in parts.items():
+                share = seconds * predicted[t] / total
+                est = self._tier(t)
+                per_byte = max(0.0, share - est[0]) / n
+                est[1] += ALPHA * (per_byte - est[1])
+
+    # -------------------------------------------------------------------- exploration
+    def note_plan(self, loaded: Mapping[str, int], recomputed: Mapping[str, int]) -> None:
+        """After a plan: chunks loaded and recomputed per tier (resets or advances exploration)."""
+        with self._lock:
+            for t in set(loaded) | set(recomputed):
+                if loaded.get(t, 0):
+                    self._unexplored.pop(t, None)
+                elif recomputed.get(t, 0):
+                    self._unexplored[t] = self._unexplored.get(t, 0) + 1
+
+    def explore(self) -> set[str]:
+        """Tiers the next plan should load one chunk of (see the module docstring)."""
+        with self._lock:
+            return {t for t, n in self._unexplored.items() if n >= EXPLORE_AFTER}
+
+    def snapshot(self) -> dict:
+        """The current estimates (for the event log): compute fit and per tier latency / GB/s."""
+        with self._lock:
+            return {"compute_c0_s": self._c0, "compute_s_per_work": self._s,
+                    "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}
+                              for t, (lat, spb) in sorted(self._tiers.items())}}

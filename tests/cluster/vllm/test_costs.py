@@ -1,0 +1,109 @@
+"""The serving process's cost estimates (issue 34), fed scripted samples (no clock): the compute
+fit finds the line the samples lie on, a tier that slows down in the middle of a run changes the
+plan's choice within a bounded number of requests, and one that recovers is found again through
+exploration."""
+
+from __future__ import annotations
+
+import pytest
+
+from blend.cost import choose
+from blend.plan import CHUNK, BlendPlan, Segment
+from cluster.vllm.costs import EXPLORE_AFTER, CostEstimator, CostSamples, linear_keys
+
+pytestmark = pytest.mark.unit
+
+KV_BYTES = 20_000  # one token's KV in every layer, bytes
+LAYERS = 8
+
+
+def _plan(tiers, tokens=500) -> BlendPlan:
+    segs, pos = [Segment("prefix", 0, 20)], 20
+    for t in tiers:
+        segs.append(Segment(CHUNK, pos, pos + tokens, hit=True, stored_positions=tuple(range(tokens)), tier=t))
+        pos += tokens
+    segs.append(Segment("query", pos, pos + 20))
+    return BlendPlan(token_ids=tuple(range(pos + 20)), segments=tuple(segs), check_layers=(1,),
+                     recompute_ratios=(0.15,), blend_end=pos)
+
+
+def test_compute_fit_recovers_overhead_and_slope():
+    est = CostEstimator(k_lin=1000.0)
+    assert not est.compute_known
+    for rows, keys in [(100, 1000), (500, 2000), (2000, 2000), (300, 4000), (4000, 4000)]:
+        est.add_compute(rows, keys, 0.01 + 1e-7 * est.work(rows, keys))
+    assert est.compute_known
+    assert est.compute_s(1000, 3000) == pytest.approx(0.01 + 1e-7 * est.work(1000, 3000), rel=1e-6)
+
+
+def test_one_sample_is_a_line_through_the_origin_and_bad_samples_are_skipped():
+    est = CostEstimator(k_lin=0.0)
+    est.add(CostSamples(compute=[(10, 10, float("nan")), (10, 10, -1.0), (0, 10, 1.0)]))
+    assert not est.compute_known
+    est.add_compute(100, 100, 0.5)
+    assert est.compute_s(200, 100) == pytest.approx(1.0)
+
+
+def test_linear_keys_of_a_llama_layer():
+    assert linear_keys(4096, 1024, 14336) == 4096 + 1024 + 1.5 * 14336
+
+
+class _World:
+    """A worker whose tiers take ``true_gbps`` and whose compute takes 1e-7 s per work unit:
+    runs a plan as chosen and reports the samples a worker would."""
+
+    def __init__(self, est: CostEstimator, true_gbps: dict[str, float]) -> None:
+        self.est, self.true_gbps = est, true_gbps
+
+    def request(self, plan: BlendPlan) -> tuple[str, ...]:
+        choice = choose(plan, self.est, kv_bytes_per_token=KV_BYTES, num_layers=LAYERS, explore=self.est.explore())
+        loaded: dict[str, int] = {}
+        recomputed: dict[str, int] = {}
+        by_tier: dict[str, int] = {}
+        labels = choice.tiers if choice else tuple((i, s.tier, s.num_tokens, "load")
+                                                   for i, s in enumerate(plan.segments) if s.hit)
+        for _, tier, tokens, what in labels:
+            if what == "load":
+                loaded[tier] = loaded.get(tier, 0) + 1
+                by_tier[tier] = by_tier.get(tier, 0) + tokens * KV_BYTES
+            else:
+                recomputed[tier] = recomputed.get(tier, 0) + 1
+        self.est.note_plan(loaded, recomputed)
+        samples = CostSamples(compute=[(300.0, plan.blend_end, 1e-7 * self.est.work(300.0, plan.blend_end))])
+        if by_tier:
+            samples.transfer.append((by_tier, sum(n / (self.true_gbps[t] * 1e9) for t, n in by_tier.items())))
+        self.est.add(samples)
+        return tuple(what for *_, what in labels)
+
+
+def test_a_tier_that_slows_is_recomputed_within_a_few_requests_and_found_again_when_it_recovers():
+    est = CostEstimator(k_lin=2000.0)
+    world = _World(est, {"host": 10.0, "disk": 2.0})
+    plan = _plan(["host", "disk", "disk"])
+    first = world.request(plan)  # compute unknown until this request's sample: everything loads
+    assert first == ("load", "load", "load")
+    for _ in range(3):
+        assert world.request(plan) == ("load", "load", "load")  # disk at 2 GB/s is worth loading
+
+    world.true_gbps["disk"] = 0.01  # the disk slows down 200x
+    changed = None
+    for n in range(1, 11):
+        if world.request(plan) == ("load", "recompute", "recompute"):
+            changed = n
+            break
+    assert changed is not None and changed <= 4, f"the choice changed after {changed} requests"
+
+    world.true_gbps["disk"] = 2.0  # it recovers: only exploration loads a disk chunk again
+    back = None
+    for n in range(1, 4 * EXPLORE_AFTER):
+        if world.request(plan) == ("load", "load", "load"):
+            back = n
+            break
+    assert back is not None and back <= 2 * EXPLORE_AFTER, f"recovery seen after {back} requests"
+
+
+def test_snapshot_names_every_tier_seen():
+    est = CostEstimator(k_lin=1.0, priors={"disk": (0.0, 1e9)})
+    est.add_transfer({"disk": 10**9}, 2.0)
+    snap = est.snapshot()
+    assert 0.5 < snap["tiers"]["disk"]["gbps"] < 1.0  # moved ALPHA of the way from 1 GB/s toward 0.5
