@@ -64,6 +64,10 @@ class BlendConfig:
         (0, 4096))
     min_tokens: int = _f(
         256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))
+    cost_aware: bool = _f(
+        True, "price loading each hit chunk (its tier's measured latency and bandwidth) against recomputing it, and "
+        "recompute the chunks that would arrive later than they compute, or the whole prompt when full prefill is "
+        "sooner (issue 34); off: every hit is loaded")
     load_timeout_s: float = _f(
         DEFAULT_LOAD_TIMEOUT_S, "seconds the blend waits for a cached layer once it needs it; past that the request is "
         "recomputed by full prefill (counted as a fallback)", (0.01, 3600.0))

@@ -109,7 +109,9 @@ class FaultRig:
         from cluster.workloads.replicas import replica_cpus, start_replica, wait_ready
 
         # the bench sends kvblend_* kv_transfer_params (the full row, ratio 1.0): off by default (#37)
-        extra = {"ray_address": self.ray.address, "stats_path": self.events_path, "allow_request_overrides": True}
+        # ... and measures the load path under faults: every hit is loaded (no cost-aware choice, #34)
+        extra = {"ray_address": self.ray.address, "stats_path": self.events_path, "allow_request_overrides": True,
+                 "cost_aware": False}
         self.replica = start_replica("faults", self.model_path, connector_extra=extra, log_dir=self.workdir,
                                      env=self.env, cpus=replica_cpus(0, 1))
         self._stack.callback(self.replica.stop)

@@ -138,8 +138,9 @@ from cluster.vllm.compat import (
     mark_no_prefix_read,
     refuse_unsupported,
 )
+from cluster.vllm.costs import cost_model_for
 from cluster.vllm.events import EventLog, WarnOnce
-from cluster.vllm.metadata import KVBlendConnectorMetadata
+from cluster.vllm.metadata import KVBlendConnectorMetadata, KVBlendWorkerMetadata
 from cluster.vllm.metrics import Counters, KVBlendConnectorStats, KVBlendPromMetrics
 from cluster.vllm.options import ConnectorOptions
 from cluster.vllm.scheduler import AllRanksLookup, KVBlendScheduler
@@ -226,7 +227,7 @@ class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size, load_tokenizer=self._load_tokenizer,
                 tp_size=self.tp_size, load_async=options.load_async,
                 allow_request_overrides=options.allow_request_overrides, events=events,
-                counters=self._counters, warn=warn)
+                counters=self._counters, warn=warn, **cost_model_for(vllm_config))
         else:
             self.connector_worker = KVBlendWorker(
                 self.config, self.client, model_id=self.namespace.model_id,
@@ -428,6 +429,31 @@ class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
         """
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+
+    # ================================================================ cost samples (issue 34)
+
+    def build_connector_worker_meta(self) -> KVBlendWorkerMetadata | None:
+        """The cost samples this worker measured since the last step (blends, prefills), for
+        the scheduler half's estimates; None when there are none.
+
+        When: every engine step, after the step's connector work. Where: the worker's model
+        thread. Never: block or raise.
+        """
+        w = self.connector_worker
+        samples = w.take_cost_samples() if w is not None else None
+        return KVBlendWorkerMetadata(samples) if samples else None
+
+    def update_connector_output(self, connector_output) -> None:
+        """Fold the workers' cost samples (``connector_output.kv_connector_worker_meta``) into
+        the scheduler half's estimates (:class:`~cluster.vllm.costs.CostEstimator`).
+
+        When: every engine step that has workers' output. Where: the scheduler's busy-loop
+        thread. Never: raise (a foreign or malformed metadata object is ignored).
+        """
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        s = self.connector_scheduler
+        if isinstance(meta, KVBlendWorkerMetadata) and s is not None and s.costs is not None:
+            s.costs.add(meta.samples)
 
     # ================================================================ metrics (both sides)
 

@@ -29,9 +29,15 @@ scheduler's ``update_connector_output``). Thread-safe.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from blend.cost import apply_choice, choose
+from blend.plan import BlendPlan
+
+log = logging.getLogger("kvblend.connector")
 
 #: tier -> (latency s, bandwidth bytes/s) before anything is measured
 PRIORS: dict[str, tuple[float, float]] = {
@@ -46,6 +52,8 @@ ALPHA = 0.3
 FORGET = 0.9
 #: plans in a row with hits in a tier and none loaded before that tier is explored
 EXPLORE_AFTER = 8
+#: tier names counted on /metrics as they are (any other is counted as "other")
+TIERS = ("gpu", "host", "disk", "redis", "s3")
 
 
 def linear_keys(hidden: int, kv_dim: int, intermediate: int) -> float:
@@ -181,3 +189,48 @@ class CostEstimator:
             return {"compute_c0_s": self._c0, "compute_s_per_work": self._s,
                     "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}
                               for t, (lat, spb) in sorted(self._tiers.items())}}
+
+
+def plan_with_costs(plan: BlendPlan, estimator: CostEstimator, *, kv_bytes_per_token: int,
+                    num_layers: int) -> tuple[BlendPlan, dict | None, dict[str, int]]:
+    """The scheduler half's use of the estimates: ``plan`` with :func:`blend.cost.choose`'s
+    choice applied (the tiers :meth:`CostEstimator.explore` names explored), the ``cost``
+    record of the lookup event (None when nothing was chosen: compute not measured yet, or no
+    hit) and the counter deltas (``cost_loaded_chunks:<tier>``, ``cost_recomputed_chunks:<tier>``).
+    Never changes a chunk's key, or whether a missed chunk is stored."""
+    choice = choose(plan, estimator, kv_bytes_per_token=kv_bytes_per_token, num_layers=num_layers,
+                    explore=estimator.explore())
+    if choice is None:
+        return plan, None, {}
+    loaded: dict[str, int] = {}
+    recomputed: dict[str, int] = {}
+    for _, tier, _, what in choice.tiers:
+        bucket = loaded if what == "load" else recomputed
+        bucket[tier] = bucket.get(tier, 0) + 1
+    estimator.note_plan(loaded, recomputed)
+    counts: dict[str, int] = {}
+    for name, per_tier in (("cost_loaded_chunks", loaded), ("cost_recomputed_chunks", recomputed)):
+        for tier, n in per_tier.items():
+            key = f"{name}:{tier if tier in TIERS else 'other'}"
+            counts[key] = counts.get(key, 0) + n
+    record = {"expected_s": choice.blend_s, "always_load_s": choice.always_load_s, "full_s": choice.full_s,
+              "full_prefill": choice.full_prefill,
+              "chunks": [[tier, tokens, what] for _, tier, tokens, what in choice.tiers],
+              "estimates": estimator.snapshot()}
+    return apply_choice(plan, choice), record, counts
+
+
+def cost_model_for(vllm_config) -> dict:
+    """The scheduler half's cost arguments from the served model's shape (a vLLM ``VllmConfig``):
+    ``{"costs": CostEstimator, "kv_bytes_per_token": K and V of one token in every layer in the
+    model dtype, "num_layers": ...}``; ``{}`` (every hit loaded) when the shape cannot be read."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        hf = mc.hf_text_config
+        layers, kv_heads, head = mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size()
+        k_lin = linear_keys(int(hf.hidden_size), kv_heads * head, int(getattr(hf, "intermediate_size", 0) or 0))
+        per_token = 2 * layers * kv_heads * head * mc.dtype.itemsize
+    except (AttributeError, TypeError, ValueError) as e:
+        log.warning("kvblend: model shape not readable (%s); every hit chunk is loaded", e)
+        return {}
+    return {"costs": CostEstimator(k_lin), "kv_bytes_per_token": per_token, "num_layers": layers}

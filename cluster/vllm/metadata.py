@@ -16,7 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from cluster.vllm.costs import CostSamples
 
 if TYPE_CHECKING:
     import torch
@@ -63,3 +68,17 @@ class KVBlendConnectorMetadata(KVConnectorMetadata):
     stores: list[StoreSpec] = field(default_factory=list)
     has_prefill: bool = False   # this step computes prompt tokens (stores wait for a later step)
     idle: bool = False          # nothing scheduled: async loads may run to the end in this step
+
+
+@dataclass
+class KVBlendWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the worker halves tell the scheduler half each engine step (vLLM's worker metadata:
+    built by ``build_connector_worker_meta``, aggregated over the workers, handed to
+    ``update_connector_output``): the cost estimates' samples (:mod:`cluster.vllm.costs`)."""
+
+    samples: CostSamples = field(default_factory=CostSamples)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBlendWorkerMetadata:
+        if isinstance(other, KVBlendWorkerMetadata):
+            self.samples = self.samples.merge(other.samples)
+        return self

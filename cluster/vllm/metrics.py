@@ -58,6 +58,12 @@ PROM_COUNTERS: dict[str, str] = {
     "heap_trim_s": "seconds those trims took (on the model's thread between engine steps; a trailing one on a timer thread)",
     "arena_full": "chunk objects not read because the cache agent's shared-memory arena had no room (misses)",
 }
+#: counter -> help text, one series per tier (label ``tier``): ``vllm:kvblend_<name>_total``;
+#: counted as ``"<name>:<tier>"`` (issue 34: what the cost-aware plan chose, per tier)
+PROM_TIER_COUNTERS: dict[str, str] = {
+    "cost_loaded_chunks": "hit chunks the cost-aware plan loaded, by the tier that held them",
+    "cost_recomputed_chunks": "hit chunks the cost-aware plan recomputed instead (loading was priced slower), by tier",
+}
 #: gauge -> help text: ``vllm:kvblend_<name>`` (Gauge, summed over the workers); they travel as
 #: deltas like the counters (the worker bumps the change since its last report)
 PROM_GAUGES: dict[str, str] = {
@@ -83,10 +89,15 @@ class Counters:
         """Add ``deltas`` (name -> amount) to the totals and to the current interval.
 
         Raises:
-            KeyError: a name not in :data:`PROM_COUNTERS` or :data:`PROM_GAUGES` (our own bug).
+            KeyError: a name not in :data:`PROM_COUNTERS` or :data:`PROM_GAUGES`, nor
+                ``"<name>:<tier>"`` of :data:`PROM_TIER_COUNTERS` (our own bug).
         """
         with self._lock:
             for name, value in deltas.items():
+                if name not in self.totals:
+                    if name.partition(":")[0] not in PROM_TIER_COUNTERS or ":" not in name:
+                        raise KeyError(name)
+                    self.totals[name] = 0
                 self.totals[name] += value
                 self._interval[name] = self._interval.get(name, 0) + value
 
@@ -127,6 +138,10 @@ class KVBlendPromMetrics(KVConnectorPromMetrics):
                                         labelnames=labelnames)
             self._counters[name] = {idx: counter.labels(*values)
                                     for idx, values in per_engine_labelvalues.items()}
+        self._tier_counters = {name: self._counter_cls(name=f"vllm:kvblend_{name}", documentation=f"kvblend: {doc}",
+                                                       labelnames=[*labelnames, "tier"])
+                               for name, doc in PROM_TIER_COUNTERS.items()}
+        self._labelvalues = per_engine_labelvalues
         self._gauges, self._levels = {}, {}
         for name, doc in PROM_GAUGES.items():
             gauge = self._gauge_cls(name=f"vllm:kvblend_{name}", documentation=f"kvblend: {doc}",
@@ -135,6 +150,10 @@ class KVBlendPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in (transfer_stats_data or {}).items():
+            base, _, tier = name.partition(":")
+            if tier and base in self._tier_counters and engine_idx in self._labelvalues and value > 0:
+                self._tier_counters[base].labels(*self._labelvalues[engine_idx], tier).inc(value)
+                continue
             per_engine = self._counters.get(name)
             if per_engine is not None and engine_idx in per_engine and value > 0:
                 per_engine[engine_idx].inc(value)

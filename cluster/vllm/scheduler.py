@@ -56,6 +56,7 @@ from blend.segments import (
     standalone_chunk_spans,
 )
 from cluster.vllm import compat, paged
+from cluster.vllm.costs import CostEstimator, plan_with_costs
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
@@ -149,7 +150,8 @@ class KVBlendScheduler:
     def __init__(self, config, client, *, namespace_digest: str, block_size: int,
                  load_tokenizer: Callable[[], Any], tp_size: int = 1, load_async: bool = True,
                  allow_request_overrides: bool = False, events: EventLog | None = None, counters: Counters | None = None,
-                 warn: WarnOnce | None = None) -> None:
+                 warn: WarnOnce | None = None, costs: CostEstimator | None = None, kv_bytes_per_token: int = 0,
+                 num_layers: int = 0) -> None:
         self.config = config
         self.client = client
         self.namespace_digest = namespace_digest
@@ -166,6 +168,8 @@ class KVBlendScheduler:
         self._store_keys: OrderedDict[ChunkKey, None] = OrderedDict()
         self._async_ready: list[str] = []    # async claims allocated, not yet sent
         self._plan_started = 0.0              # perf_counter() at the current plan's start
+        #: the cost-aware choice (issue 34): estimates, and the model's KV bytes per token and layers
+        self.costs, self._kv_bytes_per_token, self._num_layers = costs, kv_bytes_per_token, num_layers
 
     @property
     def tokenizer(self):
@@ -284,6 +288,11 @@ class KVBlendScheduler:
         n = len(token_ids)
         path = "none"
         plan = make_plan(token_ids, spans, self.namespace_digest, self.client, blend_cfg, tenant=tenant)
+        cost = None
+        if plan.blend and load and self.costs is not None and blend_cfg.cost_aware:
+            plan, cost, counts = plan_with_costs(plan, self.costs, kv_bytes_per_token=self._kv_bytes_per_token,
+                                                 num_layers=self._num_layers)
+            self._counters.bump(**counts)
         state.plan = plan
         if plan.blend and load:
             state.claim_end = plan.blend_end
@@ -308,7 +317,7 @@ class KVBlendScheduler:
                            reusable_tokens=plan.num_reused_tokens, blend_end=plan.blend_end,
                            full_prefill_reason=plan.full_prefill_reason,
                            num_store_segments=num_store, num_standalone_segments=state.num_standalone,
-                           plan_s=time.perf_counter() - self._plan_started)
+                           plan_s=time.perf_counter() - self._plan_started, cost=cost)
 
     def _plan_prefix(self, rid: str, state: _ReqState, tenant: str, *, load: bool, store: bool) -> None:
         """Prefix path: claim the leading cached chunks (whole chunks ending before the last

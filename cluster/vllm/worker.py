@@ -37,6 +37,7 @@ from blend.engine import QUERY_SELECTIONS
 from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
+from cluster.vllm.costs import CostSamples
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
@@ -89,6 +90,7 @@ class KVBlendWorker:
         self._arena_reported = {"arena_bytes": 0, "arena_used_bytes": 0, "arena_full": 0}
         self._loads: OrderedDict[str, _LoadRun] = OrderedDict()  # async loads in flight
         self._recv_done: set[str] = set()    # async loads done (finished_recving)
+        self._cost_samples = CostSamples()   # for the scheduler's cost estimates (issue 34)
         # freed heap back to the OS after requests finish (also once the worker went idle)
         self._heap = HeapTrimmer(on_trim=lambda s: counters.bump(heap_trims=1, heap_trim_s=s))
         self.stores = StoreQueue(client, canonical_kv=self._canonical_kv,
@@ -118,7 +120,28 @@ class KVBlendWorker:
         """KV of ``ids`` alone at positions ``0..n-1``, ``[L, 2, T, H, D]`` on the CPU."""
         with torch.inference_mode():
             result = self._engine_for_worker().prefill(ids, want_logits=False)
+        self._sample_costs(result.counters, len(ids))
         return torch.stack(result.kv).cpu()  # [L, 2, T, H, D]
+
+    def _sample_costs(self, c, keys: int, plan=None) -> None:
+        """What one blend or prefill measured, for the scheduler half's cost estimates
+        (:mod:`cluster.vllm.costs`): its compute (rows per layer, load waits excluded) and,
+        when it loaded chunks, their bytes per tier and the seconds to the last layer."""
+        rows = c.recomputed_tokens_per_layer
+        if rows and c.compute_s > 0:
+            self._cost_samples.compute.append((sum(rows) / len(rows), keys, c.compute_s))
+        if plan is not None and c.transfer_s > 0 and c.full_prefill_reason is None:
+            spec = self._engine.spec
+            per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self._engine.model.dtype.itemsize
+            by_tier: dict[str, int] = {}
+            for seg in plan.hit_segments:
+                by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
+            self._cost_samples.transfer.append((by_tier, c.transfer_s))
+
+    def take_cost_samples(self) -> CostSamples | None:
+        """The samples since the last call (None when none), for vLLM's worker metadata."""
+        out, self._cost_samples = self._cost_samples, CostSamples()
+        return out or None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Index vLLM's per-layer caches by layer number and detect their layout."""
@@ -232,6 +255,7 @@ class KVBlendWorker:
 
     def _blend_done(self, run: _LoadRun, result) -> None:
         c = result.counters
+        self._sample_costs(c, run.spec.plan.blend_end, run.spec.plan)
         run.record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
                           reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
                           selected_tokens=c.selected_tokens, selection=c.selection,

@@ -133,3 +133,35 @@ def test_a_blend_reports_when_its_last_layer_arrived(make_setup):
     assert res.counters.num_hit_segments == 2
     assert 0 < res.counters.transfer_s < 60
     assert torch.isfinite(res.logits).all()
+
+
+def test_a_recomputed_chunk_is_never_read(make_setup):
+    """The blend asks the source for the loaded chunks' layers only."""
+    engine, client = make_setup("llama")
+    chunks = random_chunks(3, 24)
+    store_chunks(engine, client, chunks)
+    asked: list = []
+    fetch = client.fetch_layers
+
+    def recording(keys, layers):
+        asked.extend(keys)
+        return fetch(keys, layers)
+
+    client.fetch_layers = recording
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    hits = [i for i, s in enumerate(plan.segments) if s.kind == CHUNK and s.hit]
+    plan = dataclasses.replace(plan, segments=tuple(
+        dataclasses.replace(s, hit=False, recomputed=True) if i == hits[1] else s for i, s in enumerate(plan.segments)))
+    res = engine.blend(plan)
+    assert res.counters.num_hit_segments == 2
+    assert asked and plan.segments[hits[1]].key not in asked
+    assert {plan.segments[hits[0]].key, plan.segments[hits[2]].key} <= set(asked)
+
+
+def test_a_ratio_one_blend_keeps_loading_when_transfer_hides_behind_compute():
+    """At ratio 1.0 every row is recomputed anyway: loading costs only the pipeline's last
+    layer, within MARGIN of full prefill, so the hits stay loaded (what oracle checks exercise)."""
+    plan = _plan(["host", "disk"], ratio=1.0)
+    choice = choose(plan, Scripted({"host": 10.0, "disk": 1.0}), kv_bytes_per_token=KV_BYTES, num_layers=4)
+    assert choice.recomputed == () and choice.full_s < choice.always_load_s < choice.full_s * 1.1

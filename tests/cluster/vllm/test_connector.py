@@ -359,3 +359,32 @@ def test_cache_salt_separates_tenants_inside_vllm(blend_llm, blend_stats_path, t
     ref = generate(blend_llm, ids2, FULL)
     assert_matches_full(bob, ref)
     assert_matches_full(alice, ref)  # ratio 1.0: the salted blend is exact too
+
+
+def test_cost_samples_reach_the_scheduler_through_vllms_worker_metadata(blend_llm, tokenizer):
+    """Issue 34: a blend's compute and transfer are measured in the worker, travel as vLLM's
+    worker metadata (``build_connector_worker_meta`` -> ``update_connector_output``) and move
+    the scheduler half's estimates; on this CPU loading is priced far below recomputing, so the
+    next blend's lookup event records every hit chunk loaded."""
+    scheduler = blend_llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
+    costs = scheduler.costs
+    assert costs is not None
+    system = SYSTEM + " Price every chunk."  # stored by no other test
+    ids, _ = build_blend_prompt(tokenizer, system, [passage(910), passage(911)], "Question: ok?")
+    generate(blend_llm, ids)  # stores the chunks
+    settle(blend_llm)
+    out = generate(blend_llm, ids, {"kvblend_recompute_ratio": 0.15})  # a blend: samples
+    settle(blend_llm)
+    assert costs.compute_known, "no compute sample reached the scheduler"
+    snap = costs.snapshot()
+    assert snap["compute_s_per_work"] > 0
+    again = generate(blend_llm, ids, {"kvblend_recompute_ratio": 0.15})
+    lookup = events(blend_llm_stats(blend_llm), request_id_of(again), "lookup")[0]
+    assert lookup["cost"] is not None and lookup["cost"]["full_prefill"] is False
+    assert {c[2] for c in lookup["cost"]["chunks"]} == {"load"}
+    assert out is not None
+
+
+def blend_llm_stats(llm) -> str:
+    """The shared engine's ``stats_path`` (its connector's event log)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler._events.path
