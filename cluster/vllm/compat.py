@@ -7,7 +7,7 @@ optional hooks of both versions have defaults that do not fit a shared, best-eff
 to do). :class:`KVBlendHMAMixin` is vLLM's ``SupportsHMA`` for a single KV cache group;
 :func:`refuse_unsupported` keeps the connector idle when a hybrid model gets several, and for
 sliding-window attention shorter than the model's length.
-:func:`mark_no_prefix_read` turns loading off for the requests vLLM computes whole.
+:func:`skips_external_kv` names the requests vLLM computes whole.
 
 :class:`cluster.vllm.connector.KVBlendConnector` adopts both mixins::
 
@@ -287,25 +287,21 @@ def resumed_req_ids(cached) -> Container[str]:
     return getattr(cached, "resumed_req_ids", None) or ()
 
 
-def mark_no_prefix_read(request: Request) -> bool:
-    """Give a request that vLLM computes whole ``kvblend_load=False``; True when it is one.
+def skips_external_kv(request: Request) -> bool:
+    """Whether vLLM throws away what the connector claims for ``request``; the scheduler half
+    then claims nothing for it (:meth:`cluster.vllm.scheduler.KVBlendScheduler._plan_request`).
 
-    vLLM sets ``request.skip_reading_prefix_cache`` for prompt logprobs (and pooling) and then
-    zeroes whatever :meth:`get_num_new_matched_tokens` claims for it (``Scheduler.schedule``,
-    0.32 and 0.33). With ``kvblend_load=False`` the scheduler half claims nothing in the first
-    place, so its ``claim`` event says 0 and no load is planned; the lookup still runs, because
-    it decides which missed chunks the request stores (vLLM's offloading connectors also keep
-    storing such requests). The change is to ``request.kv_transfer_params`` (a copy: the
-    caller's ``SamplingParams`` are left alone), the per-request dict vLLM gives connectors.
+    vLLM asks the connector for every waiting request and then zeroes the answer of one it
+    computes whole (``ext_tokens, load_kv_async = 0, False`` in ``Scheduler.schedule``): 0.32
+    and 0.33 test ``request.skip_reading_prefix_cache`` (prompt logprobs, pooling), 0.34
+    ``request.skip_reading_external_kv``, true whenever ``prefix_cache_hit_limit`` is set
+    (prompt logprobs, from their first scored row; ``skip_reading_prefix_cache`` in the
+    sampling or pooling params). Claiming nothing keeps the ``claim`` event honest and plans no
+    blend for tokens vLLM refuses; the lookup still runs, because it decides which missed chunks
+    the request stores (vLLM's offloading connectors also keep storing such requests).
     """
-    # 0.34 renamed the flag skip_reading_external_kv (read from its wheel, not run)
-    if not (getattr(request, "skip_reading_prefix_cache", False)
-            or getattr(request, "skip_reading_external_kv", False)):
-        return False
-    params = getattr(request, "kv_transfer_params", None) or {}
-    if params.get("kvblend_load", True) is not False:
-        request.kv_transfer_params = {**params, "kvblend_load": False}
-    return True
+    return bool(getattr(request, "skip_reading_prefix_cache", False)
+                or getattr(request, "skip_reading_external_kv", False))
 
 
 class KVBlendHMAMixin(SupportsHMA):

@@ -135,7 +135,6 @@ from cluster.vllm.affinity import all_cpus, unpin_thread
 from cluster.vllm.compat import (
     KVBlendHMAMixin,
     KVBlendHooksMixin,
-    mark_no_prefix_read,
     refuse_unsupported,
 )
 from cluster.vllm.events import EventLog, WarnOnce
@@ -296,13 +295,12 @@ class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
         this answer, marks it not yet loaded, and writes a ``claim`` event). Where: scheduler process, the engine core's busy-loop thread.
         Never: raise (a failed lookup answers ``(0, False)`` and counts a fallback), claim the
         last prompt token, or block beyond one batched lookup of the request's chunks (and,
-        on the first call, loading the tokenizer). Requests vLLM computes whole
-        (``skip_reading_prefix_cache``: prompt logprobs, pooling) claim nothing and only store
-        (:func:`cluster.vllm.compat.mark_no_prefix_read`).
+        on the first call, loading the tokenizer). Requests vLLM computes whole (prompt
+        logprobs, pooling: :func:`cluster.vllm.compat.skips_external_kv`) claim nothing and
+        only store.
         """
         if not self.enabled:
             return 0, False
-        mark_no_prefix_read(request)  # prompt logprobs: vLLM computes the prompt, we only store
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):

@@ -222,7 +222,9 @@ class KVBlendScheduler:
         if ignored:
             self._counters.bump(ignored_overrides=1)
         store = bool(params.get("kvblend_store", True)) and self.config.cluster.store_kv
-        load = bool(params.get("kvblend_load", True))
+        # prompt logprobs: vLLM computes the prompt whatever we claim; we only store (not through
+        # params: a request override would be ignored while allow_request_overrides is off)
+        load = bool(params.get("kvblend_load", True)) and not compat.skips_external_kv(request)
         blend_cfg = self._blend_config(params)
         # chat prompts: the template's frame around messages bounds segments too (issue 35)
         spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator,

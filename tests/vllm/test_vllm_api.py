@@ -373,17 +373,12 @@ def test_clear_namespaces_reaches_the_local_and_agent_clients():
     assert compat.clear_namespaces(SimpleNamespace(delete=lambda keys: 0), ["x"]) is None
 
 
-def test_mark_no_prefix_read_turns_loading_off_for_requests_vllm_computes_whole():
-    scored = SimpleNamespace(skip_reading_prefix_cache=True, kv_transfer_params=None)
-    assert compat.mark_no_prefix_read(scored) and scored.kv_transfer_params == {"kvblend_load": False}
-    theirs = {"kvblend_recompute_ratio": 0.3}
-    scored = SimpleNamespace(skip_reading_prefix_cache=True, kv_transfer_params=theirs)
-    assert compat.mark_no_prefix_read(scored)
-    assert scored.kv_transfer_params == {"kvblend_recompute_ratio": 0.3, "kvblend_load": False}
-    assert theirs == {"kvblend_recompute_ratio": 0.3}  # the caller's dict is not changed
-    plain = SimpleNamespace(skip_reading_prefix_cache=False, kv_transfer_params=None)
-    assert not compat.mark_no_prefix_read(plain) and plain.kv_transfer_params is None
-    assert not compat.mark_no_prefix_read(SimpleNamespace())  # a request without the attribute
+def test_skips_external_kv_reads_each_versions_flag():
+    assert compat.skips_external_kv(SimpleNamespace(skip_reading_prefix_cache=True))      # 0.32, 0.33
+    assert compat.skips_external_kv(SimpleNamespace(skip_reading_external_kv=True))       # 0.34
+    assert not compat.skips_external_kv(SimpleNamespace(skip_reading_prefix_cache=False))
+    assert not compat.skips_external_kv(SimpleNamespace(skip_reading_external_kv=False))
+    assert not compat.skips_external_kv(SimpleNamespace())  # a request without either
 
 
 def _model_config(window=None, layer_types=None, max_model_len=1024):
