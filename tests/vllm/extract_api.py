@@ -29,7 +29,7 @@ What is recorded:
   ``return``), its methods, and ``zeroes_connector_hit``, the ``Request`` flags after which
   ``Scheduler.schedule`` throws the connector's answer away (``ext_tokens, load_kv_async = 0,
   False``: prompt logprobs). Which of them kvblend reads is found at test time
-  (``tests/vllm/test_vllm_shapes.py``), so the JSON stays a description of vLLM alone.
+  (``tests/cluster/vllm/test_vllm_shapes.py``), so the JSON stays a description of vLLM alone.
 
 Files a release no longer has (0.34 dropped ``kv_connector_model_runner_mixin.py`` with the V1
 model runner) are recorded with a null hash; classes of :data:`OPTIONAL_CLASSES` only where they
