@@ -10,7 +10,9 @@ of its role, as vLLM's own larger connectors do:
 
 =============================================  ==============================================
 :mod:`cluster.vllm.scheduler`                  lookup, claims, planning, connector metadata,
-                                               ``request_finished``, :class:`AllRanksLookup`
+                                               ``request_finished``
+:mod:`cluster.vllm.tp_lookup`                  :class:`AllRanksLookup`, the scheduler's lookups
+                                               under tensor parallelism
 :mod:`cluster.vllm.worker`                     blend and prefix loads into the paged cache,
                                                ``get_finished``, load errors
 :mod:`cluster.vllm.store_queue`                canonical-KV compute queue, puts on an I/O thread
@@ -141,7 +143,8 @@ from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata
 from cluster.vllm.metrics import Counters, KVBlendConnectorStats, KVBlendPromMetrics
 from cluster.vllm.options import ConnectorOptions
-from cluster.vllm.scheduler import AllRanksLookup, KVBlendScheduler
+from cluster.vllm.scheduler import KVBlendScheduler
+from cluster.vllm.tp_lookup import AllRanksLookup
 from cluster.vllm.worker import KVBlendWorker
 
 if TYPE_CHECKING:

@@ -71,35 +71,6 @@ if TYPE_CHECKING:
 _DEDUP_KEYS = 100_000
 
 
-class AllRanksLookup:
-    """The scheduler's view of the cache under tensor parallelism: each rank stores its own
-    KV heads under its own namespace, so a chunk counts as a hit only when every rank's copy
-    is stored (the same key in each of ``digests``). ``lookup`` ANDs over the ranks and
-    returns the first rank's metadata; everything else goes to ``client``.
-
-    Args:
-        client: the cache client (``lookup(keys) -> list[ChunkMeta | None]``).
-        digests: namespace digests of ranks ``0..tp_size-1``; the keys asked about are in
-            ``digests[0]``.
-    """
-
-    def __init__(self, client, digests: list[str]) -> None:
-        self.client = client
-        self.digests = list(digests)
-
-    def lookup(self, keys: list[ChunkKey]) -> list:
-        base = self.client.lookup(keys)
-        for digest in self.digests[1:]:
-            if not any(m is not None for m in base):
-                break
-            other = self.client.lookup([dataclasses.replace(k, namespace=digest) for k in keys])
-            base = [m if o is not None else None for m, o in zip(base, other, strict=True)]
-        return base
-
-    def __getattr__(self, name: str):
-        return getattr(self.client, name)
-
-
 @dataclass
 class _ReqState:
     """Scheduler-side state of one request between lookup and scheduling."""
@@ -133,7 +104,8 @@ class KVBlendScheduler:
     Args:
         config: the effective :class:`cluster.config.KVBlendConfig` (``blend``,
             ``cluster.engine_type``/``store_kv``, ``tiers.chunk_size`` are read).
-        client: the cache client (``lookup``), an :class:`AllRanksLookup` under TP.
+        client: the cache client (``lookup``), a :class:`cluster.vllm.tp_lookup.AllRanksLookup`
+            under TP.
         namespace_digest: the chunk namespace of this model and dtype (rank 0's under TP).
         block_size: vLLM's KV block size in tokens.
         load_tokenizer: returns the model's HF tokenizer; called on the first lookup.

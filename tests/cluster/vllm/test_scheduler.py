@@ -18,7 +18,8 @@ from cluster.cache.local import LocalCacheClient
 from cluster.config import load_config
 from cluster.vllm.events import EventLog, read_events
 from cluster.vllm.metrics import Counters
-from cluster.vllm.scheduler import AllRanksLookup, KVBlendScheduler
+from cluster.vllm.scheduler import KVBlendScheduler
+from cluster.vllm.tp_lookup import AllRanksLookup
 from tests.factories import NAMESPACE, make_kv, make_namespace
 from tiers.keys import prefix_keys, segment_key
 
