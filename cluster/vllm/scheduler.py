@@ -136,6 +136,7 @@ class KVBlendScheduler:
         self._requests: dict[str, _ReqState] = {}
         self._store_keys: OrderedDict[ChunkKey, None] = OrderedDict()
         self._async_ready: list[str] = []    # async claims allocated, not yet sent
+        self._found_spans: dict[str, tuple[tuple[int, ...], list]] = {}  # may_load_async's, until the lookup
 
     @property
     def tokenizer(self):
@@ -198,9 +199,7 @@ class KVBlendScheduler:
         # params: a request override would be ignored while allow_request_overrides is off)
         load = bool(params.get("kvblend_load", True)) and not compat.skips_external_kv(request)
         blend_cfg = self._blend_config(params)
-        # chat prompts: the template's frame around messages bounds segments too (issue 35)
-        spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator,
-                              chat_frames(self.tokenizer)) if token_ids else []
+        spans = self._segment_spans(rid, token_ids)
         blendable = (self.config.cluster.engine_type == "blend" and self.tp_size == 1
                      and not prefix_only(request, self._warn))
         standalone: list[tuple[int, int]] = []  # spans stored as chunks besides the plan's segments
@@ -223,6 +222,47 @@ class KVBlendScheduler:
         self._counters.bump(requests=1)
         self._requests[rid] = state
         return state
+
+    def _segment_spans(self, rid: str, token_ids: tuple[int, ...]) -> list:
+        """The prompt's segments (:func:`blend.segments.find_segments`), taken from
+        :meth:`may_load_async` when it found them for this prompt (a prompt is scanned once)."""
+        found = self._found_spans.pop(rid, None)
+        if found is not None and found[0] == token_ids:
+            return found[1]
+        # chat prompts: the template's frame around messages bounds segments too (issue 35)
+        return find_segments(token_ids, self.tokenizer, self.config.blend.blend_separator,
+                             chat_frames(self.tokenizer)) if token_ids else []
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether :meth:`get_num_new_matched_tokens` may answer ``load_kv_async=True`` for
+        ``request`` (vLLM 0.34's ``may_load_async``): its blend would take the async path.
+
+        A request looked up before (preempted, or enqueued again) is answered from its plan:
+        it blends and claims tokens. Before its lookup, without I/O: it may blend (the blend
+        engine, one rank, blending on, no LoRA adapter, nothing uncacheable, not computed whole
+        by vLLM, ``kvblend_load`` on), asks for the async path (``kvblend_load_async``, default
+        ``load_async``) and its prompt holds a chunk segment; the segments are kept for its
+        lookup. A prompt whose chunks all miss is a false positive.
+
+        Raises:
+            ValueError: a malformed request param or token id (the connector answers False).
+        """
+        params = request_params(request, self._warn, self.allow_request_overrides)
+        if (compat.skips_external_kv(request) or not params.get("kvblend_load", True)
+                or not params.get("kvblend_load_async", self.load_async)):
+            return False
+        token_ids = tuple(request.prompt_token_ids or ())
+        state = self._requests.get(request.request_id)
+        if state is not None and state.token_ids == token_ids:
+            return bool(state.plan is not None and state.plan.blend and state.claim_end)
+        if not (token_ids and self.config.cluster.engine_type == "blend" and self.tp_size == 1
+                and self.config.blend.enable_blending and self._blend_config(params).enable_blending
+                and not prefix_only(request, self._warn) and request_tenant(request)[1] is None):
+            return False
+        spans = self._segment_spans(request.request_id, token_ids)
+        self._found_spans[request.request_id] = (token_ids, spans)
+        spans = first_segment_as_chunk(spans, token_ids, special_tokens_around(self.tokenizer))
+        return any(kind == CHUNK for kind, _, _ in spans)
 
     def _blend_config(self, params: dict[str, Any]):
         """The config's blend section with the request's ``kvblend_recompute_ratio``,
@@ -451,4 +491,5 @@ class KVBlendScheduler:
         worker for storing: vLLM keeps stepping until the worker reports it in
         ``finished_sending``, which drains the store queue even when no other request runs."""
         state = self._requests.pop(request.request_id, None)
+        self._found_spans.pop(request.request_id, None)
         return bool(state is not None and state.store_sent), None

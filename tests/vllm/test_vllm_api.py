@@ -288,6 +288,11 @@ class _Scheduler:
     def forget_stored_keys(self):
         self.forgotten += 1
 
+    def may_load_async(self, request):
+        if self.hits is None:
+            raise ValueError("token id outside the vocabulary")
+        return request.request_id == "blend"
+
 
 class _Client:
     def __init__(self) -> None:
@@ -318,6 +323,15 @@ def test_hooks_mixin_overrides_vllms_defaults():
     assert hooked.get_external_cache_hit_sources(request, 0) == {}
     broken = _Hooked(_Scheduler(None), _Client())  # a lookup it cannot answer: vLLM's default
     assert broken.get_external_cache_hit_sources(request, 7) == {CacheHitSource.EXTERNAL_UNSPECIFIED: 7}
+
+
+def test_may_load_async_asks_the_scheduler_half_and_never_raises():
+    blend, plain = SimpleNamespace(request_id="blend"), SimpleNamespace(request_id="plain")
+    hooked = _Hooked(_Scheduler((0, [])), _Client())
+    assert hooked.may_load_async(blend) is True and hooked.may_load_async(plain) is False
+    assert _Hooked(_Scheduler(None), _Client()).may_load_async(blend) is False   # the half raised
+    assert _Hooked(None, None).may_load_async(blend) is False                    # worker role
+    assert _Hooked(_Scheduler((0, [])), _Client(), enabled=False).may_load_async(blend) is False
 
 
 def test_reset_cache_clears_our_namespaces_and_never_answers_false():

@@ -199,3 +199,53 @@ def test_what_the_connector_reads_directly_exists_in_every_version(receivers, cl
              else {f["name"] for c in classes for f in api(v)["classes"][c]["fields"]} for v in VERSIONS]
     dead = [name for name in tolerant if not any(name in names for names in every)]
     assert not dead, f"kvblend reads {dead}, which no vLLM version has"
+
+
+# ================================================================ may_load_async (vLLM 0.34)
+
+
+def test_may_load_async_is_true_for_a_blend_prompt_before_its_lookup_and_exact_after(sched, prompt_ids, tokenizer,
+                                                                                    monkeypatch):
+    """vLLM 0.34 asks when the request enters the waiting queues, before any lookup: a prompt
+    with chunk segments may blend asynchronously; once looked up, the plan answers. The
+    segments found for the answer are the ones the lookup uses (the prompt is scanned once)."""
+    import cluster.vllm.scheduler as scheduler_module
+
+    scans = []
+    real = scheduler_module.find_segments
+    monkeypatch.setattr(scheduler_module, "find_segments", lambda *a, **k: scans.append(1) or real(*a, **k))
+    request = request_of("0.34", {**PLAIN, "request_id": "r", "prompt_token_ids": prompt_ids})
+    lookups = sched.client.counters["lookups"]
+    assert sched.may_load_async(request) is True
+    assert sched.client.counters["lookups"] == lookups  # no I/O
+    assert claim(sched, request)[1] is True and len(scans) == 1
+    assert sched.may_load_async(request) is True  # enqueued again (preempted): from its plan
+    # the same prompt, nothing cached: may (a false positive) before the lookup, no after
+    cold = request_of("0.34", {**PLAIN, "request_id": "cold", "prompt_token_ids": prompt_ids})
+    sched.client.delete(sched.client.tier.keys())
+    assert sched.may_load_async(cold) is True
+    assert claim(sched, cold) == (0, False) and sched.may_load_async(cold) is False
+    # aborted while waiting, never looked up: its segments are dropped with it
+    aborted = request_of("0.34", {**PLAIN, "request_id": "aborted", "prompt_token_ids": prompt_ids})
+    assert sched.may_load_async(aborted) and "aborted" in sched._found_spans  # noqa: SLF001
+    sched.request_finished(aborted, [])
+    assert "aborted" not in sched._found_spans  # noqa: SLF001
+
+
+@pytest.mark.parametrize("case", ["no separator", "prompt logprobs", "load_async off", "LoRA", "prefix engine"])
+def test_may_load_async_is_false_where_no_async_blend_can_come(case, tokenizer, client, events_path, prompt_ids):
+    config = load_config(environ={}, overrides={"min_tokens": 16, "chunk_size": 32,
+                                                **({"engine_type": "prefix"} if case == "prefix engine" else {})})
+    sched = KVBlendScheduler(config, client, namespace_digest=NAMESPACE, block_size=BLOCK_SIZE,
+                             load_tokenizer=lambda: tokenizer, load_async=case != "load_async off",
+                             events=EventLog(events_path), counters=Counters())
+    values = {**PLAIN, "request_id": "r", "prompt_token_ids": prompt_ids}
+    if case == "no separator":
+        values["prompt_token_ids"] = chunk_token_ids(tokenizer, " ".join(PASSAGES))
+    elif case == "prompt logprobs":
+        values.update(PROMPT_LOGPROBS)
+    elif case == "LoRA":
+        values["lora_request"] = SimpleNamespace(lora_name="a", lora_path="")
+    request = request_of("0.34", values)
+    assert sched.may_load_async(request) is False
+    assert claim(sched, request)[1] is False  # and the lookup agrees
