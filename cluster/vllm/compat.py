@@ -194,9 +194,10 @@ class KVBlendHooksMixin:
         vLLM's default answers True only for P/D ``do_remote_prefill`` requests, so no blend
         would start loading while the running batch is full.
 
-        When: vLLM 0.34 with ``--max-num-inflight-kv-loads`` only, each time a request enters
-        the waiting queues (``Scheduler._enqueue_waiting_request``: on arrival, after
-        ``on_new_request``; after a preemption). True puts it in vLLM's queue of async loads,
+        When: vLLM 0.34 with ``--max-num-inflight-kv-loads`` only, when a request enters the
+        waiting queues (``Scheduler._enqueue_waiting_request``: on arrival, after
+        ``on_new_request``, and a streaming session's next input; a preempted request goes back
+        to the plain queue unasked). True puts it in vLLM's queue of async loads,
         whose head may start its load while the batch is full (parked in
         ``WAITING_FOR_REMOTE_KVS``, counted against the cap); a false positive holds back the
         loads behind it until a running slot frees. 0.32 and 0.33 never call it. Where:

@@ -237,8 +237,8 @@ class KVBlendScheduler:
         """Whether :meth:`get_num_new_matched_tokens` may answer ``load_kv_async=True`` for
         ``request`` (vLLM 0.34's ``may_load_async``): its blend would take the async path.
 
-        A request looked up before (preempted, or enqueued again) is answered from its plan:
-        it blends and claims tokens. Before its lookup, without I/O: it may blend (the blend
+        A request already looked up with this prompt is answered from its plan: it blends and
+        claims tokens. Before its lookup (vLLM asks first), without I/O: it may blend (the blend
         engine, one rank, blending on, no LoRA adapter, nothing uncacheable, not computed whole
         by vLLM, ``kvblend_load`` on), asks for the async path (``kvblend_load_async``, default
         ``load_async``) and its prompt holds a chunk segment; the segments are kept for its

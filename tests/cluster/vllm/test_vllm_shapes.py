@@ -219,7 +219,7 @@ def test_may_load_async_is_true_for_a_blend_prompt_before_its_lookup_and_exact_a
     assert sched.may_load_async(request) is True
     assert sched.client.counters["lookups"] == lookups  # no I/O
     assert claim(sched, request)[1] is True and len(scans) == 1
-    assert sched.may_load_async(request) is True  # enqueued again (preempted): from its plan
+    assert sched.may_load_async(request) is True  # asked after its lookup: from its plan
     # the same prompt, nothing cached: may (a false positive) before the lookup, no after
     cold = request_of("0.34", {**PLAIN, "request_id": "cold", "prompt_token_ids": prompt_ids})
     sched.client.delete(sched.client.tier.keys())
