@@ -1,20 +1,21 @@
 """Connector hooks of vLLM whose defaults are wrong for kvblend, mixed into the connector.
 
-vLLM 0.32 and 0.33 have the same connector API apart from three sleep-mode hooks (issue #21;
-``docs/vllm-versions.md`` lists every hook, who calls it, and what kvblend does with it). Three
-optional hooks of both versions have defaults that do not fit a shared, best-effort chunk store;
-:class:`KVBlendHooksMixin` overrides them (and documents why ``handle_preemptions`` has nothing
-to do). :class:`KVBlendHMAMixin` is vLLM's ``SupportsHMA`` for a single KV cache group;
+vLLM 0.33 adds three sleep-mode hooks to 0.32's connector API, 0.34 three more hooks (issues
+#21, #35; ``docs/vllm-versions.md`` lists every hook, who calls it, and what kvblend does with
+it). Three optional hooks of all three versions, and 0.34's ``may_load_async``, have defaults
+that do not fit a shared, best-effort chunk store; :class:`KVBlendHooksMixin` overrides them
+(and documents why ``handle_preemptions`` has nothing to do). :class:`KVBlendHMAMixin` is vLLM's ``SupportsHMA`` for a single KV cache group;
 :func:`refuse_unsupported` keeps the connector idle when a hybrid model gets several, and for
 sliding-window attention shorter than the model's length.
-:func:`mark_no_prefix_read` turns loading off for the requests vLLM computes whole.
+:func:`skips_external_kv` names the requests vLLM computes whole, and :func:`resumed_req_ids` the
+requests a step resumes (both differ between 0.33 and 0.34).
 
 :class:`cluster.vllm.connector.KVBlendConnector` adopts both mixins::
 
     class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1): ...
 
 :class:`KVBlendHooksMixin` reads the connector's ``connector_scheduler`` (with the
-``cache_hits`` and ``forget_stored_keys`` methods of
+``cache_hits``, ``forget_stored_keys`` and ``may_load_async`` methods of
 :class:`cluster.vllm.scheduler.KVBlendScheduler`), ``client``, ``namespace_digest`` and
 ``enabled``. Like every hook of the connector, none of these raises for the cache's sake.
 """
@@ -121,8 +122,9 @@ def clear_namespaces(client: Any, digests: list[str]) -> int | None:
 
 
 class KVBlendHooksMixin:
-    """``requires_kv_delivery``, ``get_external_cache_hit_sources`` and ``reset_cache`` for
-    :class:`cluster.vllm.connector.KVBlendConnector` (same in vLLM 0.32 and 0.33)."""
+    """``requires_kv_delivery``, ``get_external_cache_hit_sources``, ``reset_cache`` (vLLM 0.32,
+    0.33 and 0.34) and ``may_load_async`` (0.34 only) for
+    :class:`cluster.vllm.connector.KVBlendConnector`."""
 
     connector_scheduler: Any    # KVBlendScheduler (None in the worker role), with cache_hits()
     client: Any                 # the cache client, an AllRanksLookup (``digests``) under TP
@@ -184,6 +186,32 @@ class KVBlendHooksMixin:
         except Exception as e:  # noqa: BLE001 - metrics never fail a request
             log.debug("kvblend: hit sources of %s unknown (%s: %s)", request.request_id, type(e).__name__, e)
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether :meth:`get_num_new_matched_tokens` may answer ``load_kv_async=True`` for
+        ``request``: a blend on vLLM's async-load path (``load_async``, the default;
+        :meth:`cluster.vllm.scheduler.KVBlendScheduler.may_load_async` says how it is decided).
+        vLLM's default answers True only for P/D ``do_remote_prefill`` requests, so no blend
+        would start loading while the running batch is full.
+
+        When: vLLM 0.34 with ``--max-num-inflight-kv-loads`` only, when a request enters the
+        waiting queues (``Scheduler._enqueue_waiting_request``: on arrival, after
+        ``on_new_request``, and a streaming session's next input; a preempted request goes back
+        to the plain queue unasked). True puts it in vLLM's queue of async loads,
+        whose head may start its load while the batch is full (parked in
+        ``WAITING_FOR_REMOTE_KVS``, counted against the cap); a false positive holds back the
+        loads behind it until a running slot frees. 0.32 and 0.33 never call it. Where:
+        scheduler process, busy-loop thread. Never: raise, or look the cache up (any failure
+        answers False: the request waits for a running slot, as under vLLM's default).
+        """
+        if not self.enabled or self.connector_scheduler is None:
+            return False
+        try:
+            return bool(self.connector_scheduler.may_load_async(request))
+        except Exception as e:  # noqa: BLE001 - a queue choice never fails a request
+            log.debug("kvblend: may_load_async(%s) failed (%s: %s); False", getattr(request, "request_id", "?"),
+                      type(e).__name__, e)
+            return False
 
     def reset_cache(self) -> bool | None:
         """Delete this engine's namespaces from the shards (what ``kvblend clear --namespace``
@@ -287,25 +315,21 @@ def resumed_req_ids(cached) -> Container[str]:
     return getattr(cached, "resumed_req_ids", None) or ()
 
 
-def mark_no_prefix_read(request: Request) -> bool:
-    """Give a request that vLLM computes whole ``kvblend_load=False``; True when it is one.
+def skips_external_kv(request: Request) -> bool:
+    """Whether vLLM throws away what the connector claims for ``request``; the scheduler half
+    then claims nothing for it (:meth:`cluster.vllm.scheduler.KVBlendScheduler._plan_request`).
 
-    vLLM sets ``request.skip_reading_prefix_cache`` for prompt logprobs (and pooling) and then
-    zeroes whatever :meth:`get_num_new_matched_tokens` claims for it (``Scheduler.schedule``,
-    0.32 and 0.33). With ``kvblend_load=False`` the scheduler half claims nothing in the first
-    place, so its ``claim`` event says 0 and no load is planned; the lookup still runs, because
-    it decides which missed chunks the request stores (vLLM's offloading connectors also keep
-    storing such requests). The change is to ``request.kv_transfer_params`` (a copy: the
-    caller's ``SamplingParams`` are left alone), the per-request dict vLLM gives connectors.
+    vLLM asks the connector for every waiting request and then zeroes the answer of one it
+    computes whole (``ext_tokens, load_kv_async = 0, False`` in ``Scheduler.schedule``): 0.32
+    and 0.33 test ``request.skip_reading_prefix_cache`` (prompt logprobs, pooling), 0.34
+    ``request.skip_reading_external_kv``, true whenever ``prefix_cache_hit_limit`` is set
+    (prompt logprobs, from their first scored row; ``skip_reading_prefix_cache`` in the
+    sampling or pooling params). Claiming nothing keeps the ``claim`` event honest and plans no
+    blend for tokens vLLM refuses; the lookup still runs, because it decides which missed chunks
+    the request stores (vLLM's offloading connectors also keep storing such requests).
     """
-    # 0.34 renamed the flag skip_reading_external_kv (read from its wheel, not run)
-    if not (getattr(request, "skip_reading_prefix_cache", False)
-            or getattr(request, "skip_reading_external_kv", False)):
-        return False
-    params = getattr(request, "kv_transfer_params", None) or {}
-    if params.get("kvblend_load", True) is not False:
-        request.kv_transfer_params = {**params, "kvblend_load": False}
-    return True
+    return bool(getattr(request, "skip_reading_prefix_cache", False)
+                or getattr(request, "skip_reading_external_kv", False))
 
 
 class KVBlendHMAMixin(SupportsHMA):

@@ -10,7 +10,9 @@ of its role, as vLLM's own larger connectors do:
 
 =============================================  ==============================================
 :mod:`cluster.vllm.scheduler`                  lookup, claims, planning, connector metadata,
-                                               ``request_finished``, :class:`AllRanksLookup`
+                                               ``request_finished``
+:mod:`cluster.vllm.tp_lookup`                  :class:`AllRanksLookup`, the scheduler's lookups
+                                               under tensor parallelism
 :mod:`cluster.vllm.worker`                     blend and prefix loads into the paged cache,
                                                ``get_finished``, load errors
 :mod:`cluster.vllm.store_queue`                canonical-KV compute queue, puts on an I/O thread
@@ -135,7 +137,6 @@ from cluster.vllm.affinity import all_cpus, unpin_thread
 from cluster.vllm.compat import (
     KVBlendHMAMixin,
     KVBlendHooksMixin,
-    mark_no_prefix_read,
     refuse_unsupported,
 )
 from cluster.vllm.costs import cost_model_for
@@ -143,7 +144,8 @@ from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, KVBlendWorkerMetadata
 from cluster.vllm.metrics import Counters, KVBlendConnectorStats, KVBlendPromMetrics
 from cluster.vllm.options import ConnectorOptions
-from cluster.vllm.scheduler import AllRanksLookup, KVBlendScheduler
+from cluster.vllm.scheduler import KVBlendScheduler
+from cluster.vllm.tp_lookup import AllRanksLookup
 from cluster.vllm.worker import KVBlendWorker
 
 if TYPE_CHECKING:
@@ -297,13 +299,12 @@ class KVBlendConnector(KVBlendHooksMixin, KVBlendHMAMixin, KVConnectorBase_V1):
         this answer, marks it not yet loaded, and writes a ``claim`` event). Where: scheduler process, the engine core's busy-loop thread.
         Never: raise (a failed lookup answers ``(0, False)`` and counts a fallback), claim the
         last prompt token, or block beyond one batched lookup of the request's chunks (and,
-        on the first call, loading the tokenizer). Requests vLLM computes whole
-        (``skip_reading_prefix_cache``: prompt logprobs, pooling) claim nothing and only store
-        (:func:`cluster.vllm.compat.mark_no_prefix_read`).
+        on the first call, loading the tokenizer). Requests vLLM computes whole (prompt
+        logprobs, pooling: :func:`cluster.vllm.compat.skips_external_kv`) claim nothing and
+        only store.
         """
         if not self.enabled:
             return 0, False
-        mark_no_prefix_read(request)  # prompt logprobs: vLLM computes the prompt, we only store
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):

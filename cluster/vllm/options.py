@@ -27,9 +27,12 @@ while overrides are off are ignored, counted ``ignored_overrides``, warned about
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from blend.config import SELECTIONS, BlendConfig
 
 #: kv_connector_extra_config keys that are not config fields.
 CONNECTOR_ONLY_KEYS = ("stats_path", "store_tokens_per_step", "load_async", "load_step_s",
@@ -104,3 +107,25 @@ def request_params(request, warn: Callable[..., None], allow_overrides: bool = F
             warn("param:unknown", "kvblend: unknown kv_transfer_params key %r ignored (known: %s; "
                  "later unknown keys are ignored silently)", k, ", ".join(REQUEST_PARAMS))
     return out
+
+
+def request_blend_config(blend_cfg: BlendConfig, params: dict[str, Any]) -> BlendConfig:
+    """``blend_cfg`` (the config's blend section) with a request's ``kvblend_recompute_ratio``,
+    ``kvblend_selection`` and ``kvblend_blend`` (:func:`request_params`) applied.
+
+    Raises:
+        ValueError: a ratio outside ``[0, 1]`` or an unknown selection.
+    """
+    if "kvblend_selection" in params:
+        selection = params["kvblend_selection"]
+        if selection not in SELECTIONS:
+            raise ValueError(f"kvblend_selection={selection!r}: choose one of {', '.join(SELECTIONS)}")
+        blend_cfg = dataclasses.replace(blend_cfg, selection=selection)
+    if "kvblend_recompute_ratio" in params:
+        ratio = float(params["kvblend_recompute_ratio"])
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"kvblend_recompute_ratio={ratio} outside 0..1")
+        blend_cfg = dataclasses.replace(blend_cfg, recompute_ratios=(ratio,))
+    if not params.get("kvblend_blend", True):
+        blend_cfg = dataclasses.replace(blend_cfg, enable_blending=False)
+    return blend_cfg

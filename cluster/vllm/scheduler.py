@@ -38,7 +38,6 @@ so tests drive it with a fake ``Request`` and ``KVCacheBlocks`` and no engine.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from blend.chat import chat_frames
-from blend.config import SELECTIONS
 from blend.plan import CHUNK, BlendPlan
 from blend.planner import make_plan
 from blend.segments import (
@@ -60,7 +58,7 @@ from cluster.vllm.costs import CostEstimator, plan_with_costs
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
-from cluster.vllm.options import request_params
+from cluster.vllm.options import request_blend_config, request_params
 from cluster.vllm.tenant import prefix_only, request_tenant
 from tiers.keys import ChunkKey, prefix_keys, segment_key
 
@@ -71,35 +69,6 @@ if TYPE_CHECKING:
 
 #: keys remembered as "scheduled for storing" (oldest forgotten first).
 _DEDUP_KEYS = 100_000
-
-
-class AllRanksLookup:
-    """The scheduler's view of the cache under tensor parallelism: each rank stores its own
-    KV heads under its own namespace, so a chunk counts as a hit only when every rank's copy
-    is stored (the same key in each of ``digests``). ``lookup`` ANDs over the ranks and
-    returns the first rank's metadata; everything else goes to ``client``.
-
-    Args:
-        client: the cache client (``lookup(keys) -> list[ChunkMeta | None]``).
-        digests: namespace digests of ranks ``0..tp_size-1``; the keys asked about are in
-            ``digests[0]``.
-    """
-
-    def __init__(self, client, digests: list[str]) -> None:
-        self.client = client
-        self.digests = list(digests)
-
-    def lookup(self, keys: list[ChunkKey]) -> list:
-        base = self.client.lookup(keys)
-        for digest in self.digests[1:]:
-            if not any(m is not None for m in base):
-                break
-            other = self.client.lookup([dataclasses.replace(k, namespace=digest) for k in keys])
-            base = [m if o is not None else None for m, o in zip(base, other, strict=True)]
-        return base
-
-    def __getattr__(self, name: str):
-        return getattr(self.client, name)
 
 
 @dataclass
@@ -135,7 +104,8 @@ class KVBlendScheduler:
     Args:
         config: the effective :class:`cluster.config.KVBlendConfig` (``blend``,
             ``cluster.engine_type``/``store_kv``, ``tiers.chunk_size`` are read).
-        client: the cache client (``lookup``), an :class:`AllRanksLookup` under TP.
+        client: the cache client (``lookup``), a :class:`cluster.vllm.tp_lookup.AllRanksLookup`
+            under TP.
         namespace_digest: the chunk namespace of this model and dtype (rank 0's under TP).
         block_size: vLLM's KV block size in tokens.
         load_tokenizer: returns the model's HF tokenizer; called on the first lookup.
@@ -167,6 +137,7 @@ class KVBlendScheduler:
         self._requests: dict[str, _ReqState] = {}
         self._store_keys: OrderedDict[ChunkKey, None] = OrderedDict()
         self._async_ready: list[str] = []    # async claims allocated, not yet sent
+        self._found_spans: dict[str, tuple[tuple[int, ...], list]] = {}  # may_load_async's, until the lookup
         self._plan_started = 0.0              # perf_counter() at the current plan's start
         #: the cost-aware choice (issue 34): estimates, and the model's KV bytes per token and layers
         self.costs, self._kv_bytes_per_token, self._num_layers = costs, kv_bytes_per_token, num_layers
@@ -229,11 +200,11 @@ class KVBlendScheduler:
         if ignored:
             self._counters.bump(ignored_overrides=1)
         store = bool(params.get("kvblend_store", True)) and self.config.cluster.store_kv
-        load = bool(params.get("kvblend_load", True))
-        blend_cfg = self._blend_config(params)
-        # chat prompts: the template's frame around messages bounds segments too (issue 35)
-        spans = find_segments(token_ids, self.tokenizer, blend_cfg.blend_separator,
-                              chat_frames(self.tokenizer)) if token_ids else []
+        # prompt logprobs: vLLM computes the prompt whatever we claim; we only store (not through
+        # params: a request override would be ignored while allow_request_overrides is off)
+        load = bool(params.get("kvblend_load", True)) and not compat.skips_external_kv(request)
+        blend_cfg = request_blend_config(self.config.blend, params)
+        spans = self._segment_spans(rid, token_ids)
         blendable = (self.config.cluster.engine_type == "blend" and self.tp_size == 1
                      and not prefix_only(request, self._warn))
         standalone: list[tuple[int, int]] = []  # spans stored as chunks besides the plan's segments
@@ -257,27 +228,46 @@ class KVBlendScheduler:
         self._requests[rid] = state
         return state
 
-    def _blend_config(self, params: dict[str, Any]):
-        """The config's blend section with the request's ``kvblend_recompute_ratio``,
-        ``kvblend_selection`` and ``kvblend_blend`` applied.
+    def _segment_spans(self, rid: str, token_ids: tuple[int, ...]) -> list:
+        """The prompt's segments (:func:`blend.segments.find_segments`), taken from
+        :meth:`may_load_async` when it found them for this prompt (a prompt is scanned once)."""
+        found = self._found_spans.pop(rid, None)
+        if found is not None and found[0] == token_ids:
+            return found[1]
+        # chat prompts: the template's frame around messages bounds segments too (issue 35)
+        return find_segments(token_ids, self.tokenizer, self.config.blend.blend_separator,
+                             chat_frames(self.tokenizer)) if token_ids else []
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether :meth:`get_num_new_matched_tokens` may answer ``load_kv_async=True`` for
+        ``request`` (vLLM 0.34's ``may_load_async``): its blend would take the async path.
+
+        A request already looked up with this prompt is answered from its plan: it blends and
+        claims tokens. Before its lookup (vLLM asks first), without I/O: it may blend (the blend
+        engine, one rank, blending on, no LoRA adapter, nothing uncacheable, not computed whole
+        by vLLM, ``kvblend_load`` on), asks for the async path (``kvblend_load_async``, default
+        ``load_async``) and its prompt holds a chunk segment; the segments are kept for its
+        lookup. A prompt whose chunks all miss is a false positive.
 
         Raises:
-            ValueError: a ratio outside ``[0, 1]`` or an unknown selection.
+            ValueError: a malformed request param or token id (the connector answers False).
         """
-        blend_cfg = self.config.blend
-        if "kvblend_selection" in params:
-            selection = params["kvblend_selection"]
-            if selection not in SELECTIONS:
-                raise ValueError(f"kvblend_selection={selection!r}: choose one of {', '.join(SELECTIONS)}")
-            blend_cfg = dataclasses.replace(blend_cfg, selection=selection)
-        if "kvblend_recompute_ratio" in params:
-            ratio = float(params["kvblend_recompute_ratio"])
-            if not 0.0 <= ratio <= 1.0:
-                raise ValueError(f"kvblend_recompute_ratio={ratio} outside 0..1")
-            blend_cfg = dataclasses.replace(blend_cfg, recompute_ratios=(ratio,))
-        if not params.get("kvblend_blend", True):
-            blend_cfg = dataclasses.replace(blend_cfg, enable_blending=False)
-        return blend_cfg
+        params = request_params(request, self._warn, self.allow_request_overrides)
+        if (compat.skips_external_kv(request) or not params.get("kvblend_load", True)
+                or not params.get("kvblend_load_async", self.load_async)):
+            return False
+        token_ids = tuple(request.prompt_token_ids or ())
+        state = self._requests.get(request.request_id)
+        if state is not None and state.token_ids == token_ids:
+            return bool(state.plan is not None and state.plan.blend and state.claim_end)
+        if not (token_ids and self.config.cluster.engine_type == "blend" and self.tp_size == 1
+                and self.config.blend.enable_blending and request_blend_config(self.config.blend, params).enable_blending
+                and not prefix_only(request, self._warn) and request_tenant(request)[1] is None):
+            return False
+        spans = self._segment_spans(request.request_id, token_ids)
+        self._found_spans[request.request_id] = (token_ids, spans)
+        spans = first_segment_as_chunk(spans, token_ids, special_tokens_around(self.tokenizer))
+        return any(kind == CHUNK for kind, _, _ in spans)
 
     def _plan_blend(self, rid: str, state: _ReqState, spans, blend_cfg, tenant: str, *, load: bool,
                     store: bool) -> None:
@@ -491,4 +481,5 @@ class KVBlendScheduler:
         worker for storing: vLLM keeps stepping until the worker reports it in
         ``finished_sending``, which drains the store queue even when no other request runs."""
         state = self._requests.pop(request.request_id, None)
+        self._found_spans.pop(request.request_id, None)
         return bool(state is not None and state.store_sent), None

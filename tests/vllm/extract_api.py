@@ -21,13 +21,26 @@ What is recorded:
 * ``callers``: for each connector method, the vLLM functions that call it (``file:Class.func``),
   found as calls on a receiver that names a connector (``self.connector``,
   ``get_kv_transfer_group()``, ``connector_cls``, ...), in-tree connectors excluded.
+* the scheduler's side of the connector: ``classes`` also holds the scheduler-output
+  dataclasses the connector's ``build_connector_meta`` reads (``SchedulerOutput``,
+  ``NewRequestData``, ``CachedRequestData``: their fields, in order, with defaults), and
+  ``request`` describes ``vllm.v1.request.Request`` (:func:`_request_facts`): every attribute
+  its ``__init__`` sets, its properties (the returned expression when the body is one
+  ``return``), its methods, and ``zeroes_connector_hit``, the ``Request`` flags after which
+  ``Scheduler.schedule`` throws the connector's answer away (``ext_tokens, load_kv_async = 0,
+  False``: prompt logprobs). Which of them kvblend reads is found at test time
+  (``tests/cluster/vllm/test_vllm_shapes.py``), so the JSON stays a description of vLLM alone.
 
-Usage::
+Files a release no longer has (0.34 dropped ``kv_connector_model_runner_mixin.py`` with the V1
+model runner) are recorded with a null hash; classes of :data:`OPTIONAL_CLASSES` only where they
+exist.
 
-    pip download --no-deps vllm==0.33.0 -d /tmp/vllm033
-    cd /tmp/vllm033 && mkdir src && cd src && unzip -q ../vllm-0.33.0-*.whl 'vllm/*.py'
-    python tests/vllm/extract_api.py /tmp/vllm033/src --wheel /tmp/vllm033/vllm-0.33.0-*.whl \\
-        -o tests/vllm/vllm_0_33_api.json
+Usage (one run per wheel; the JSON is committed)::
+
+    pip download --no-deps vllm==0.34.0 -d /tmp/vllm034
+    cd /tmp/vllm034 && mkdir src && cd src && unzip -q ../vllm-0.34.0-*.whl 'vllm/*.py'
+    python tests/vllm/extract_api.py /tmp/vllm034/src --wheel /tmp/vllm034/vllm-0.34.0-*.whl \\
+        -o tests/vllm/vllm_0_34_api.json
 
 ``ROOT`` is any directory holding the ``vllm`` package: an unzipped wheel or a site-packages.
 """
@@ -53,8 +66,15 @@ FILES = {
     "vllm_config": "vllm/config/vllm.py",
     "cache_hit_source": "vllm/v1/metrics/cache_hit_source.py",
     "scheduler": "vllm/v1/core/sched/scheduler.py",
+    "sched_output": "vllm/v1/core/sched/output.py",
+    "request": "vllm/v1/request.py",
     "runner_mixin": "vllm/v1/worker/kv_connector_model_runner_mixin.py",
+    "runner_connector": "vllm/v1/worker/gpu/kv_connector.py",
+    "token_buffer": "vllm/v1/token_buffer.py",
 }
+
+#: FILES a release may lack: hashed when present, never parsed.
+OPTIONAL_FILES = ("runner_mixin", "runner_connector", "token_buffer")
 
 #: class name -> the FILES key of the file that defines it.
 CLASSES = {
@@ -69,7 +89,17 @@ CLASSES = {
     "KVConnectorPromMetrics": "metrics",
     "KVTransferConfig": "kv_transfer_config",
     "CacheHitSource": "cache_hit_source",
+    "SchedulerOutput": "sched_output",
+    "NewRequestData": "sched_output",
+    "CachedRequestData": "sched_output",
+    "KVCacheAccess": "kv_transfer_config",
 }
+
+#: CLASSES that only some releases define (``KVCacheAccess``: 0.34).
+OPTIONAL_CLASSES = ("KVCacheAccess",)
+
+#: Longest source text kept for one attribute's value in ``request``.
+MAX_VALUE_CHARS = 200
 
 #: Where vLLM calls connector methods (in-tree connectors under kv_connector/v1/ are skipped,
 #: except the base class, whose own calls on ``self`` count: get_transfer_results -> get_finished).
@@ -221,6 +251,84 @@ def _hma_facts(base: ast.Module, vllm_config: ast.Module) -> dict:
     }
 
 
+def _self_assignments(fn: ast.FunctionDef) -> dict[str, dict]:
+    """``{name: {"annotation", "value"}}`` for each ``self.name`` that ``fn`` assigns, in
+    source order: the value of its first assignment (source text) and its annotation, if any."""
+    found: dict[str, tuple[int, str | None, str]] = {}  # name -> (line, annotation, value)
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            targets, annotation = node.targets, None
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, annotation = [node.target], _text(node.annotation)
+        else:
+            continue
+        for t in targets:
+            if not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"):
+                continue
+            value = ast.unparse(node.value)[:MAX_VALUE_CHARS]
+            line, ann, first = found.get(t.attr, (node.lineno, None, value))
+            if node.lineno < line:
+                line, first = node.lineno, value
+            found[t.attr] = (line, ann or annotation, first)
+    return {name: {"annotation": ann, "value": value}
+            for name, (_, ann, value) in sorted(found.items(), key=lambda kv: kv[1][0])}
+
+
+def _single_return(fn: ast.FunctionDef) -> str | None:
+    """The returned expression of a function whose body (docstring aside) is one ``return``."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
+        return ast.unparse(body[0].value)
+    return None
+
+
+def _request_facts(request: ast.Module, scheduler: ast.Module) -> dict:
+    """``Request`` as the connector meets it: ``attributes`` set by ``__init__`` (annotation,
+    value as source text), ``properties`` (``returns``: the expression, or None when the body
+    is more than one ``return``), ``methods`` (names), and ``zeroes_connector_hit``: the
+    ``request.<flag>`` tested by an ``if`` in ``Scheduler.schedule`` whose body sets
+    ``ext_tokens, load_kv_async = 0, False``.
+
+    Raises:
+        KeyError: no ``Request`` class, or no such ``if`` in ``Scheduler.schedule``.
+    """
+    cls = next((n for n in request.body if isinstance(n, ast.ClassDef) and n.name == "Request"), None)
+    if cls is None:
+        raise KeyError(f"class Request not found in {FILES['request']}")
+    fns = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    properties, methods = {}, []
+    for name, fn in fns.items():
+        decorators = [ast.unparse(d) for d in fn.decorator_list]
+        if any(d.endswith((".setter", ".deleter")) for d in decorators):
+            continue
+        if "property" in decorators or "cached_property" in decorators:
+            properties[name] = {"returns": _single_return(fn)}
+        else:
+            methods.append(name)
+    flags = []
+    for node in ast.walk(_functions(scheduler)["Scheduler.schedule"]):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Attribute)
+                and ast.unparse(node.test.value) == "request"
+                and any(ast.unparse(s) == "ext_tokens, load_kv_async = (0, False)" for s in node.body)):
+            flags.append(node.test.attr)
+    if not flags:
+        raise KeyError("Scheduler.schedule no longer zeroes the connector's hit on a request flag")
+    return {"attributes": _self_assignments(fns["__init__"]), "properties": properties,
+            "methods": sorted(methods), "zeroes_connector_hit": flags}
+
+
+def _token_buffer_bases(root: pathlib.Path) -> list[str]:
+    """Bases of every ``class TokenBuffer`` in ``vllm/v1/token_buffer.py`` (0.34: ``list[int]``
+    for type checkers, ``array`` at run time: ``Request.prompt_token_ids`` is an int32
+    ``array``), or ``[]`` where there is no such file."""
+    path = root / FILES["token_buffer"]
+    if not path.exists():
+        return []
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [ast.unparse(b) for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "TokenBuffer"
+            for b in n.bases]
+
+
 def _uses(fn: ast.AST, methods: dict[str, str]):
     """``(name, receiver text)`` of each call of a method (each read of a property) in ``fn``."""
     for node in ast.walk(fn):
@@ -285,10 +393,13 @@ def extract(root: str | pathlib.Path, wheel: str | pathlib.Path | None = None) -
             vLLM moved it: update :data:`CLASSES`/:data:`FILES`).
     """
     root = pathlib.Path(root)
-    trees = {key: ast.parse((root / rel).read_text(encoding="utf-8")) for key, rel in FILES.items()}
+    trees = {key: ast.parse((root / rel).read_text(encoding="utf-8")) for key, rel in FILES.items()
+             if key not in OPTIONAL_FILES}
     classes = {}
     for name, key in CLASSES.items():
         node = next((n for n in trees[key].body if isinstance(n, ast.ClassDef) and n.name == name), None)
+        if node is None and name in OPTIONAL_CLASSES:
+            continue
         if node is None:
             raise KeyError(f"class {name} not found in {FILES[key]}")
         classes[name] = _class(node)
@@ -300,12 +411,15 @@ def extract(root: str | pathlib.Path, wheel: str | pathlib.Path | None = None) -
     return {
         "vllm_version": _version(root),
         **source,
-        "files": {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in FILES.values()},
+        "files": {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() if (root / rel).exists() else None
+                  for rel in FILES.values()},
         "exported_from_kv_connector_v1": sorted(exported),
         "classes": classes,
         "factory": _factory_facts(trees["factory"]),
         "hma": _hma_facts(trees["base"], trees["vllm_config"]),
         "callers": _callers(root, methods),
+        "request": _request_facts(trees["request"], trees["scheduler"]),
+        "token_buffer_bases": _token_buffer_bases(root),
     }
 
 

@@ -1,22 +1,26 @@
-"""KVBlendConnector against vLLM's KV connector API, of the installed 0.32 and of 0.33.
+"""KVBlendConnector against vLLM's KV connector API, of the installed 0.32, of 0.33 and of 0.34.
 
-vLLM 0.33.0 is a CUDA build pinning torch 2.14, which cannot be imported here: its API is read
-from the wheel's source by ``tests/vllm/extract_api.py`` (``ast``) into ``vllm_0_33_api.json``;
-0.32's is read the same way from the installed package, so both are compared alike. Each
-check runs against both versions:
+vLLM 0.33.0 and 0.34.0 are CUDA builds pinning torch 2.14, which cannot be imported here: their
+API is read from the wheels' source by ``tests/vllm/extract_api.py`` (``ast``) into
+``vllm_0_33_api.json`` and ``vllm_0_34_api.json``; 0.32's is read the same way from the installed
+package, so all three are compared alike (:mod:`tests.vllm.shapes`). Each check runs against
+every version:
 
 * every abstract method of ``KVConnectorBase_V1`` is ours, and every method we override keeps
   vLLM's signature (kind, positional parameter names and order, defaults, ``**kwargs``);
 * the constructor takes what ``KVConnectorFactory`` passes, and the factory loads us from
-  ``kv_connector_module_path`` (run for real on 0.32; 0.33's loading code is the same);
-* ``docs/vllm-versions.md``'s hook table lists every hook of both versions, says which exist
+  ``kv_connector_module_path`` (run for real on 0.32; 0.33's and 0.34's loading code reads the
+  same);
+* ``docs/vllm-versions.md``'s hook table lists every hook of every version, says which exist
   and which are abstract in each, and what kvblend does: ``implements`` and ``adopts`` hooks
   must be overridden by the connector, ``inherits`` hooks must not be. An ``adopts`` hook is
   one whose vLLM default is wrong or missing for kvblend; its implementation is a mixin of
   :mod:`cluster.vllm.compat`, and :func:`test_adopted_hooks_are_implemented` names any the
   connector does not mix in.
 
-The compat shims themselves are tested at the end, with stand-ins for the connector's halves.
+The compat shims themselves are tested at the end, with stand-ins for the connector's halves;
+the scheduler half on each version's own scheduler shapes is in
+``tests/cluster/vllm/test_vllm_shapes.py``.
 """
 
 from __future__ import annotations
@@ -38,29 +42,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from cluster.vllm import compat
 from cluster.vllm.connector import KVBlendConnector
 from cluster.vllm.metrics import KVBlendConnectorStats, KVBlendPromMetrics
-from tests.vllm.extract_api import extract
+from tests.vllm.shapes import API_FILES, VERSIONS, api
 
 pytestmark = pytest.mark.unit
 
 HERE = pathlib.Path(__file__).resolve().parent
 DOC = HERE.parents[1] / "docs" / "vllm-versions.md"
-API_FILES = {"0.33": HERE / "vllm_0_33_api.json"}
-VERSIONS = ("0.32", "0.33")
 OUR_PACKAGES = ("cluster", "blend", "tiers")
 HOOK_CLASSES = ("KVConnectorBase_V1", "SupportsHMA")
 DECISIONS = ("implements", "adopts", "inherits")
 POSITIONAL = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
-
-
-@functools.cache
-def api(version: str) -> dict:
-    """The API description of vLLM ``version``: the installed package's, read now, or the JSON."""
-    if version == "0.32":
-        root = pathlib.Path(importlib.util.find_spec("vllm").submodule_search_locations[0]).parent
-        out = extract(root)
-        assert out["vllm_version"].startswith("0.32"), f"installed vLLM is {out['vllm_version']}"
-        return out
-    return json.loads(API_FILES[version].read_text(encoding="utf-8"))
+#: what KVConnectorFactory needs of a connector loaded from kv_connector_module_path
+LOADING_FACTS = ("module_path_import", "class_lookup", "required_constructor_keywords", "constructor_call")
 
 
 def hooks(version: str) -> dict[str, tuple[str, dict]]:
@@ -71,7 +64,7 @@ def hooks(version: str) -> dict[str, tuple[str, dict]]:
 
 @functools.cache
 def doc_table() -> dict[str, list[str]]:
-    """``{hook: [0.32 cell, 0.33 cell, kvblend cell]}`` from the doc's hook table."""
+    """``{hook: [one cell per version of VERSIONS, kvblend cell]}`` from the doc's hook table."""
     text = DOC.read_text(encoding="utf-8")
     section = text.split("## Hook table", 1)[1].split("\n## ", 1)[0]
     rows = {}
@@ -79,14 +72,15 @@ def doc_table() -> dict[str, list[str]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         match = re.fullmatch(r"`(\w+)`", cells[0]) if line.startswith("|") else None
         if match:
-            assert len(cells) == 4, f"doc row for {match[1]} has {len(cells)} cells, not 4"
+            assert len(cells) == len(VERSIONS) + 2, (f"doc row for {match[1]} has {len(cells)} cells, "
+                                                    f"not {len(VERSIONS) + 2}")
             assert match[1] not in rows, f"doc lists {match[1]} twice"
             rows[match[1]] = cells[1:]
     return rows
 
 
 def decision(hook: str) -> str:
-    word = re.sub(r"[^a-z]", "", doc_table()[hook][2].split()[0].lower())
+    word = re.sub(r"[^a-z]", "", doc_table()[hook][-1].split()[0].lower())
     assert word in DECISIONS, f"doc: {hook}'s kvblend cell must start with one of {DECISIONS}"
     return word
 
@@ -180,11 +174,15 @@ def test_constructor_takes_what_the_factory_passes(version):
 
 
 def test_factory_loads_us_from_the_module_path():
-    """Run 0.32's own loading code; 0.33's is the same (the facts extract_api.py reads match)."""
+    """Run 0.32's own loading code; 0.33's and 0.34's are the same (the facts extract_api.py
+    reads match: 0.34 adds NixlConnector's transfer_mode and the kv_cache_access classmethod,
+    which asks the class it loaded the same way)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    assert api("0.33")["factory"] == api("0.32")["factory"]
+    for version in VERSIONS[1:]:
+        assert {k: api(version)["factory"][k] for k in LOADING_FACTS} == \
+            {k: api("0.32")["factory"][k] for k in LOADING_FACTS}, f"vLLM {version} loads connectors otherwise"
     for module_path in ("cluster.connector", "cluster.vllm.connector"):
         config = KVTransferConfig(kv_connector="KVBlendConnector", kv_connector_module_path=module_path,
                                   kv_role="kv_both")
@@ -206,11 +204,11 @@ def test_metrics_classes_implement_what_vllm_leaves_unimplemented(version):
 # ================================================================ the doc's hook table
 
 
-def test_doc_table_lists_every_hook_of_both_versions():
-    known = set(hooks("0.32")) | set(hooks("0.33"))
+def test_doc_table_lists_every_hook_of_every_version():
+    known = set().union(*(hooks(v) for v in VERSIONS))
     rows = set(doc_table())
     assert not known - rows, f"{DOC.name} lacks rows for {sorted(known - rows)}"
-    assert not rows - known, f"{DOC.name} lists hooks neither version has: {sorted(rows - known)}"
+    assert not rows - known, f"{DOC.name} lists hooks no version has: {sorted(rows - known)}"
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -248,9 +246,12 @@ def test_adopted_hooks_are_implemented():
                          f"KVBlendHooksMixin / KVBlendHMAMixin ({DOC.relative_to(HERE.parents[1])}, 'Summary')")
 
 
-def test_doc_names_the_033_wheel_and_quotes_vllms_hma_warning():
+def test_doc_names_the_wheels_and_quotes_vllms_hma_warning():
     text = " ".join(DOC.read_text(encoding="utf-8").split())
-    assert api("0.33")["vllm_version"] == "0.33.0" and api("0.33")["sha256"] in text
+    for version in API_FILES:
+        extracted = api(version)
+        assert extracted["vllm_version"] == f"{version}.0", f"{API_FILES[version].name} is {extracted['vllm_version']}"
+        assert extracted["wheel"] in text and extracted["sha256"] in text, f"{DOC.name} does not name the {version} wheel"
     for version in VERSIONS:
         warning = " ".join(api(version)["hma"]["startup_warning"][0].split())
         assert warning in text, f"{DOC.name} does not quote vLLM {version}'s HMA start-up warning"
@@ -288,6 +289,11 @@ class _Scheduler:
     def forget_stored_keys(self):
         self.forgotten += 1
 
+    def may_load_async(self, request):
+        if self.hits is None:
+            raise ValueError("token id outside the vocabulary")
+        return request.request_id == "blend"
+
 
 class _Client:
     def __init__(self) -> None:
@@ -318,6 +324,15 @@ def test_hooks_mixin_overrides_vllms_defaults():
     assert hooked.get_external_cache_hit_sources(request, 0) == {}
     broken = _Hooked(_Scheduler(None), _Client())  # a lookup it cannot answer: vLLM's default
     assert broken.get_external_cache_hit_sources(request, 7) == {CacheHitSource.EXTERNAL_UNSPECIFIED: 7}
+
+
+def test_may_load_async_asks_the_scheduler_half_and_never_raises():
+    blend, plain = SimpleNamespace(request_id="blend"), SimpleNamespace(request_id="plain")
+    hooked = _Hooked(_Scheduler((0, [])), _Client())
+    assert hooked.may_load_async(blend) is True and hooked.may_load_async(plain) is False
+    assert _Hooked(_Scheduler(None), _Client()).may_load_async(blend) is False   # the half raised
+    assert _Hooked(None, None).may_load_async(blend) is False                    # worker role
+    assert _Hooked(_Scheduler((0, [])), _Client(), enabled=False).may_load_async(blend) is False
 
 
 def test_reset_cache_clears_our_namespaces_and_never_answers_false():
@@ -373,17 +388,12 @@ def test_clear_namespaces_reaches_the_local_and_agent_clients():
     assert compat.clear_namespaces(SimpleNamespace(delete=lambda keys: 0), ["x"]) is None
 
 
-def test_mark_no_prefix_read_turns_loading_off_for_requests_vllm_computes_whole():
-    scored = SimpleNamespace(skip_reading_prefix_cache=True, kv_transfer_params=None)
-    assert compat.mark_no_prefix_read(scored) and scored.kv_transfer_params == {"kvblend_load": False}
-    theirs = {"kvblend_recompute_ratio": 0.3}
-    scored = SimpleNamespace(skip_reading_prefix_cache=True, kv_transfer_params=theirs)
-    assert compat.mark_no_prefix_read(scored)
-    assert scored.kv_transfer_params == {"kvblend_recompute_ratio": 0.3, "kvblend_load": False}
-    assert theirs == {"kvblend_recompute_ratio": 0.3}  # the caller's dict is not changed
-    plain = SimpleNamespace(skip_reading_prefix_cache=False, kv_transfer_params=None)
-    assert not compat.mark_no_prefix_read(plain) and plain.kv_transfer_params is None
-    assert not compat.mark_no_prefix_read(SimpleNamespace())  # a request without the attribute
+def test_skips_external_kv_reads_each_versions_flag():
+    assert compat.skips_external_kv(SimpleNamespace(skip_reading_prefix_cache=True))      # 0.32, 0.33
+    assert compat.skips_external_kv(SimpleNamespace(skip_reading_external_kv=True))       # 0.34
+    assert not compat.skips_external_kv(SimpleNamespace(skip_reading_prefix_cache=False))
+    assert not compat.skips_external_kv(SimpleNamespace(skip_reading_external_kv=False))
+    assert not compat.skips_external_kv(SimpleNamespace())  # a request without either
 
 
 def _model_config(window=None, layer_types=None, max_model_len=1024):

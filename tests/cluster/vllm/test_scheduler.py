@@ -18,7 +18,8 @@ from cluster.cache.local import LocalCacheClient
 from cluster.config import load_config
 from cluster.vllm.events import EventLog, read_events
 from cluster.vllm.metrics import Counters
-from cluster.vllm.scheduler import AllRanksLookup, KVBlendScheduler
+from cluster.vllm.scheduler import KVBlendScheduler
+from cluster.vllm.tp_lookup import AllRanksLookup
 from tests.factories import NAMESPACE, make_kv, make_namespace
 from tiers.keys import prefix_keys, segment_key
 
@@ -421,26 +422,17 @@ def test_under_tensor_parallelism_blend_prompts_take_the_prefix_path(make_schedu
     assert "num_prefix_chunks" in lookup and lookup["num_prefix_hits"] == 0
 
 
-def test_a_step_shaped_as_vllm_0_34_sends_has_no_resumed_req_ids_and_still_builds(make_scheduler):
-    """vLLM 0.34's ``CachedRequestData`` has no ``resumed_req_ids`` (resumed requests arrive in
-    ``scheduled_new_reqs``, read from its wheel): ``build_connector_meta`` read it at every step
-    with a cached request, so from the first decode an AttributeError reached vLLM's scheduler."""
-    ids = list(range(900, 900 + 2 * CHUNK_SIZE + 3))
-    sched = make_scheduler()
-    req = FakeRequest("r", ids)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, FakeBlocks([]), 0)
-    sched.build_connector_meta(step(new=[("r", [5, 6, 7], 0, 40)]))
-    later = step(cached=[("r", [8, 9], 40, len(ids) - 40, False)])
-    del later.scheduled_cached_reqs.resumed_req_ids
-    meta = sched.build_connector_meta(later)
-    assert meta.has_prefill and [k for k, _ in meta.stores[0].prefix][0] == segment_key(NAMESPACE, ids)
-
-
-def test_prompt_logprob_requests_are_marked_under_vllm_0_34s_name_too():
-    from cluster.vllm.compat import mark_no_prefix_read
-
-    old, new, plain = (SimpleNamespace(kv_transfer_params=None, **flag) for flag in (
-        {"skip_reading_prefix_cache": True}, {"skip_reading_external_kv": True}, {}))
-    assert mark_no_prefix_read(old) and mark_no_prefix_read(new) and not mark_no_prefix_read(plain)
-    assert new.kv_transfer_params == {"kvblend_load": False} and plain.kv_transfer_params is None
+@pytest.mark.parametrize("flag", ["skip_reading_prefix_cache", "skip_reading_external_kv"])  # 0.32/0.33, 0.34
+def test_prompt_logprob_requests_claim_nothing_with_request_overrides_off(make_scheduler, client, tokenizer,
+                                                                          prompt, flag):
+    """vLLM zeroes the claim of a request it computes whole (prompt logprobs); the half claims
+    nothing for it with request overrides off, the default since issue 37 (the flag used to
+    travel as a ``kvblend_load: false`` override, which was then ignored and counted)."""
+    store_passages(client, tokenizer)
+    ids, _ = prompt
+    sched = make_scheduler(allow_request_overrides=False)
+    assert sched.get_num_new_matched_tokens(FakeRequest("plain", ids), 0)[0] > 0
+    scored = FakeRequest("scored", ids)
+    setattr(scored, flag, True)
+    assert sched.get_num_new_matched_tokens(scored, 0) == (0, False)
+    assert sched._counters.totals.get("ignored_overrides", 0) == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.cache.local import LocalCacheClient
-from cluster.vllm.scheduler import AllRanksLookup
+from cluster.vllm.tp_lookup import AllRanksLookup
 from tiers.keys import ChunkKey
 
 pytestmark = pytest.mark.unit
