@@ -41,7 +41,6 @@ from typing import Protocol
 
 from blend.plan import CHUNK, BlendPlan
 
-
 #: a choice other than loading every hit must be expected this much sooner (a share of the
 #: always-load time): estimates are noisy, and a ratio-1.0 blend, which recomputes every row
 #: anyway, costs full prefill plus the last layer's transfer, so it keeps loading (its hits are

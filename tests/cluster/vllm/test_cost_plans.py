@@ -58,8 +58,8 @@ def _key(tokenizer, i: int):
     return segment_key(NAMESPACE, chunk_token_ids(tokenizer, PASSAGES[i]))
 
 
-def test_a_slow_tiers_chunk_is_recomputed_and_a_fast_ones_loaded(make_scheduler, client, tokenizer, prompt,
-                                                                 events_path):
+def test_a_slow_tiers_chunk_is_recomputed_and_a_fast_ones_loaded(  # noqa: F811 - fixtures
+        make_scheduler, client, tokenizer, prompt, events_path):  # noqa: F811
     store_passages(client, tokenizer, which=(0, 1))  # passage 2 is a miss
     slow = _key(tokenizer, 1)
     tiered = TieredClient(client, {slow: "disk"})
@@ -85,8 +85,8 @@ def test_a_slow_tiers_chunk_is_recomputed_and_a_fast_ones_loaded(make_scheduler,
     assert totals["cost_recomputed_chunks:disk"] == 1 and totals["cost_loaded_chunks:host"] == 1
 
 
-def test_nothing_worth_loading_means_vllms_full_prefill_and_misses_still_stored(make_scheduler, client, tokenizer,
-                                                                                prompt, events_path):
+def test_nothing_worth_loading_means_vllms_full_prefill_and_misses_still_stored(
+        make_scheduler, client, tokenizer, prompt, events_path):  # noqa: F811 - fixtures
     store_passages(client, tokenizer, which=(0, 1))
     tiered = TieredClient(client, {_key(tokenizer, 0): "disk", _key(tokenizer, 1): "disk"})
     sched = make_scheduler(client=tiered)
@@ -99,7 +99,7 @@ def test_nothing_worth_loading_means_vllms_full_prefill_and_misses_still_stored(
     assert lookup["num_store_segments"] == 2  # the system prompt and passage 2, as without the choice
 
 
-def test_the_setting_off_loads_every_hit(make_scheduler, client, tokenizer, prompt, events_path):
+def test_the_setting_off_loads_every_hit(make_scheduler, client, tokenizer, prompt, events_path):  # noqa: F811
     store_passages(client, tokenizer)
     tiered = TieredClient(client, {_key(tokenizer, 1): "disk"})
     sched = make_scheduler(client=tiered, cost_aware=False)
