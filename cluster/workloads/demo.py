@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster.vllm.events import read_events
+from cluster.vllm.events import planned_stores, read_events, wait_for_stores
 from cluster.workloads.demo_report import ModeResult, Steps, connector_summary, write_report
 from cluster.workloads.local_ray import LocalRay
 from cluster.workloads.replicas import kvblend_cli
@@ -45,6 +45,8 @@ from cluster.workloads.ttft_breakdown import ttft_breakdown
 log = logging.getLogger("kvblend.demo")
 
 MODES = ("kvblend", "full", "vllm_prefix")
+#: seconds the demo waits after a kvblend query for its replica's stores (issue 36)
+STORE_WAIT_S = 60.0
 SYSTEM_PROMPT = ("You answer questions using the passages below. "
                  "Reply with the answer only, in at most five words.")
 
@@ -56,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout", type=float, default=0.2,
                    help="share of each query's passages never ingested (misses at serving time)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (greedy)")
+    p.add_argument("--prefix-queries", type=int, default=4,
+                   help="queries vllm_prefix answers (the first N; it only shows that vLLM's prefix cache "
+                        "does not help on reordered passages; 0: all)")
     p.add_argument("--host-size-gib", type=float, default=0.1,
                    help="host tier per shard, GiB (default below the working set, so disk is read)")
     p.add_argument("--redis-url", default="", help="add a Redis tier")
@@ -140,10 +145,12 @@ def render_prompt(tokenizer, query: Query, separator: str) -> str:
 
 
 def _serve_queries(mode: str, replicas, prompts, warm_prompts, max_tokens, *, salted: bool = False,
-                   after_warmup=None) -> ModeResult:
+                   after_warmup=None, after_request=None) -> ModeResult:
     """Warm every replica up with ``warm_prompts`` (2 tokens each), then send ``prompts`` one at a
     time, alternating replicas. ``salted``: each request gets its own vLLM ``cache_salt``, so an
-    engine with prefix caching on reuses nothing (full prefill)."""
+    engine with prefix caching on reuses nothing (full prefill). ``after_request()`` runs after
+    each measured request and returns the seconds it waited (``ModeResult.extra["waited_s"]``,
+    left out of ``serving_s``)."""
     from cluster.workloads.replicas import complete
 
     salt = iter(range(1 << 30))
@@ -158,6 +165,7 @@ def _serve_queries(mode: str, replicas, prompts, warm_prompts, max_tokens, *, sa
     if after_warmup is not None:
         after_warmup()
     t0 = time.perf_counter()
+    waited = 0.0
     for i, prompt in enumerate(prompts):
         rep = replicas[i % len(replicas)]
         c = send(rep, prompt, max_tokens)
@@ -165,7 +173,11 @@ def _serve_queries(mode: str, replicas, prompts, warm_prompts, max_tokens, *, sa
         res.answers.append(c.text.strip())
         res.requests.append({"id": c.id, "sent_at": c.sent_at, "ttft_s": c.ttft_s})
         log.info("[%s] q%02d via %s: TTFT %.3f s, answer %r", mode, i, rep.name, c.ttft_s, c.text.strip())
-    res.serving_s = time.perf_counter() - t0
+        if after_request is not None:
+            waited += after_request()
+    res.serving_s = time.perf_counter() - t0 - waited
+    if after_request is not None:
+        res.extra["waited_s"] = waited
     return res
 
 
@@ -203,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
                 cluster.wait()
             if not args.keep:
                 cluster.ray.stop()  # its own processes only
-    meta = {"dataset": args.dataset, "num_queries": args.num_queries, "passages_per_query": args.passages_per_query,
+    meta = {"dataset": args.dataset, "num_queries": args.num_queries, "prefix_queries": demo.prefix_queries or None,
+            "passages_per_query": args.passages_per_query,
             "mean_prompt_tokens": demo.mean_prompt_tokens, "modes": modes,
             "elapsed_s": time.perf_counter() - t_start, "steps": steps.rows,
             "gold_f1_note": "SmolLM2-135M is weak: gold F1 is noise; agreement with full prefill is the measure"}
@@ -231,6 +244,7 @@ class _Demo:
     golds: list[tuple[str, ...]]
     mean_prompt_tokens: float
     cpus: str                 # CPU ids every engine binds its OpenMP threads to
+    prefix_queries: int = 0   # queries vllm_prefix answers (0: all)
 
 
 def _prepare(args: argparse.Namespace) -> _Demo:
@@ -261,7 +275,8 @@ def _prepare(args: argparse.Namespace) -> _Demo:
     return _Demo(workdir, args.json or os.path.join(workdir, "demo.json"),
                  args.png or os.path.join(workdir, "demo-ttft.png"), config, model_path, tokenizer, workload,
                  prompts, [render_prompt(tokenizer, q, sep) for q in workload.warmup],
-                 [q.answers for q in workload.queries], n_tokens, args.cpus or replica_cpus(0, 1))
+                 [q.answers for q in workload.queries], n_tokens, args.cpus or replica_cpus(0, 1),
+                 max(0, args.prefix_queries))
 
 
 def _run_baselines(modes: list[str], demo: _Demo, max_tokens: int, steps: Steps,
@@ -288,8 +303,9 @@ def _run_baselines(modes: list[str], demo: _Demo, max_tokens: int, steps: Steps,
                 before_serving()
         warm = demo.warm_prompts
         for mode in modes:
+            prompts = demo.prompts[:demo.prefix_queries or None] if mode == "vllm_prefix" else demo.prompts
             with steps(f"{mode} serving"):
-                out[mode] = _serve_queries(mode, [rep], demo.prompts, warm, max_tokens, salted=(mode == "full"))
+                out[mode] = _serve_queries(mode, [rep], prompts, warm, max_tokens, salted=(mode == "full"))
             warm = []  # the engine is warm
     finally:
         rep.stop()
@@ -367,9 +383,20 @@ def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
                                           log_dir=demo.workdir, cpus=demo.cpus))
                 wait_ready(reps[-1])
         mark = {}
+
+        def stores_done() -> float:
+            """The replica that answered stores its missed passages after its answer (canonical KV
+            computed on its cores); the next query goes to the other replica, on the same cores
+            here: wait for the stores first, so one engine computes at a time (bounded)."""
+            t = time.perf_counter()
+            if not wait_for_stores(stats_path, planned_stores(stats_path), timeout_s=STORE_WAIT_S):
+                log.warning("stores not done within %.0f s; sending the next query anyway", STORE_WAIT_S)
+            return time.perf_counter() - t
+
         with steps("kvblend serving"):
             res = _serve_queries("kvblend", reps, demo.prompts, demo.warm_prompts, args.max_tokens,
-                                 after_warmup=lambda: mark.setdefault("n", len(read_events(stats_path))))
+                                 after_warmup=lambda: (stores_done(), mark.setdefault("n", len(read_events(stats_path)))),
+                                 after_request=stores_done)
     finally:
         for r in reps:
             r.stop()

@@ -38,16 +38,21 @@ class ModeResult:
     requests: list[dict] = field(default_factory=list)
 
     def summary(self, full: ModeResult | None, golds) -> dict:
+        """TTFT p50/p90/mean, serving time, gold F1; against ``full`` (answering every query)
+        agreement and the TTFT ratio, both over the queries this mode answered: a mode that
+        answered the first ``n`` (``vllm_prefix`` on a subset) is compared with full's first ``n``."""
         from cluster.workloads.qa import max_f1, token_f1
 
+        n = len(self.answers)
         out = {"ttft_p50_s": statistics.median(self.ttft_s),
                "ttft_p90_s": quantile(self.ttft_s, 0.9),
                "ttft_mean_s": statistics.fmean(self.ttft_s),
-               "serving_s": self.serving_s,
-               "gold_f1": statistics.fmean(max_f1(a, g) for a, g in zip(self.answers, golds, strict=True))}
+               "serving_s": self.serving_s, "queries": n,
+               "gold_f1": statistics.fmean(max_f1(a, g) for a, g in zip(self.answers, golds[:n], strict=True))}
         if full is not None:
-            out["agreement"] = statistics.fmean(token_f1(a, b) for a, b in zip(self.answers, full.answers, strict=True))
-            out["ttft_ratio"] = out["ttft_p50_s"] / statistics.median(full.ttft_s)
+            out["agreement"] = statistics.fmean(token_f1(a, b) for a, b in zip(self.answers, full.answers[:n],
+                                                                               strict=True))
+            out["ttft_ratio"] = out["ttft_p50_s"] / statistics.median(full.ttft_s[:n])
         out.update(self.extra)
         return out
 

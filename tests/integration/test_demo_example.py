@@ -28,7 +28,7 @@ def _env() -> dict:
 def test_demo_tiny(tmp_path):
     out = tmp_path / "demo.json"
     r = subprocess.run([str(BIN / "kvblend"), "demo", "--num-queries", "2", "--passages-per-query", "3",
-                        "--workdir", str(tmp_path / "work"), "--json", str(out)],
+                        "--prefix-queries", "1", "--workdir", str(tmp_path / "work"), "--json", str(out)],
                        env=_env(), capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     data = json.loads(out.read_text())
@@ -50,6 +50,17 @@ def test_demo_tiny(tmp_path):
     assert kv["hit_rate"] > 0.5, kv               # ingested passages were found by the replicas
     assert kv["reused_tokens"] > 0 and kv["recomputed_tokens"] > 0
     assert kv["fallbacks"] == 0
+    # vllm_prefix answers a subset (issue 36), compared with full prefill's answers to the same queries
+    assert (data["vllm_prefix"]["queries"], data["full"]["queries"], kv["queries"]) == (1, 2, 2)
+    assert meta["prefix_queries"] == 1
+    # where kvblend's TTFT went, per request, from the client's clock and the connector's events
+    bd = kv["ttft_breakdown"]
+    assert bd["sent"] == 2 and bd["explained"] >= 1, bd
+    for row in bd["requests"]:
+        tiled = row["front_s"] + row["plan_s"] + row["to_load_s"] + row["load_s"] + row["after_load_s"]
+        assert abs(tiled - row["ttft_s"]) < 1e-6 and row["load_s"] > 0 and row["plan_s"] > 0
+    assert kv["waited_s"] >= 0
+    assert "kvblend TTFT breakdown" in r.stdout
     assert (tmp_path / "work" / "demo-ttft.png").stat().st_size > 1000
     assert "kvblend demo" in r.stdout             # the table was printed
     assert "ingest (before serving" in r.stdout and "next:" in r.stdout and str(out) in r.stdout
