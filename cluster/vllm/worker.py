@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +57,9 @@ class _LoadRun:
     start_s: float
     num_engine_steps: int = 0   # engine steps it ran in
     busy_steps: int = 0         # of those, steps that also ran other requests' forward
+    #: [a bool tensor on the model's device]: every claimed row of every layer written so far is
+    #: finite (checked once, when the blend ends; non-finite: recomputed by full prefill)
+    finite: list = field(default_factory=list)
 
 
 class KVBlendWorker:
@@ -193,17 +196,21 @@ class KVBlendWorker:
         here and then returns None."""
         start_s = time.perf_counter()
         start, end = spec.load_start, spec.load_end
+        finite: list[torch.Tensor] = []  # a device flag, and-ed per layer: no host sync per layer
 
         def on_layer(layer_idx: int, kv: torch.Tensor) -> None:  # kv [2, T, H, D]
             if kv.shape[1] < end:
                 raise RuntimeError(f"engine produced {kv.shape[1]} rows, {end} claimed")
-            if not bool(torch.isfinite(kv[:, start:end]).all()):
-                raise RuntimeError(f"non-finite KV in layer {layer_idx}")
+            ok = torch.isfinite(kv[:, start:end]).all()
+            if finite:
+                finite[0].logical_and_(ok)
+            else:
+                finite.append(ok.clone())
             self._write_layer(layers, layer_idx, kv[:, start:end], spec.slot_mapping)
 
         record: dict[str, Any] = {"request_id": spec.request_id, "load_start": start, "load_end": end,
                                   "load_async": spec.load_async}
-        run = _LoadRun(spec, record, None, on_layer, start_s)
+        run = _LoadRun(spec, record, None, on_layer, start_s, finite=finite)
         try:
             if spec.plan is None:
                 self._load_prefix(spec, layers)
@@ -230,6 +237,8 @@ class KVBlendWorker:
                     try:
                         next(run.steps)
                     except StopIteration as stop:
+                        if run.finite and not bool(run.finite[0]):  # the blend's one host sync
+                            raise RuntimeError("non-finite KV in a claimed layer") from None
                         self._blend_done(run, stop.value)
                         break
                     if deadline is not None and time.perf_counter() >= deadline:
@@ -295,9 +304,12 @@ class KVBlendWorker:
         self._counters.bump(fallbacks=1)
         record.update(fallback=True, error=f"{type(e).__name__}: {e}")
         try:
+            run.finite.clear()  # the prefill's own layers, checked once at its end
             with torch.inference_mode():
                 self._engine_for_worker().prefill(list(spec.token_ids[:spec.load_end]), want_logits=False,
                                                   on_layer=run.on_layer)
+            if run.finite and not bool(run.finite[0]):
+                raise RuntimeError("non-finite KV from full prefill")
             record["recovered_by"] = "full_prefill"
         except Exception as e2:  # noqa: BLE001
             self._warn("load2", "kvblend: full prefill of request %s failed too (%s: %s); "

@@ -259,6 +259,40 @@ def test_fault_during_load_falls_back_to_full_prefill(blend_llm, blend_stats_pat
     assert_matches_full(out, generate(blend_llm, ids, FULL))
 
 
+def test_non_finite_kv_in_a_claimed_layer_ends_as_full_prefill(blend_llm, blend_stats_path, tokenizer, monkeypatch):
+    """Issue 33: the worker checks the claimed rows for NaN/inf once, when the blend ends (a flag
+    kept on the device, no host sync per layer): a cached layer read as NaN ends as full prefill,
+    counted as a fallback, with the output of full prefill."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    client = get_kv_transfer_group().client
+    texts = [passage(820 + i) for i in range(3)]
+    warm, _ = build_blend_prompt(tokenizer, SYSTEM, texts, "Question: warm?")
+    generate_and_store(blend_llm, blend_stats_path, warm)
+    real_fetch = client.fetch_layer
+
+    def nan_fetch(keys, layer_idx):  # layer 7 of every chunk arrives as NaN
+        fut = real_fetch(keys, layer_idx)
+        if layer_idx != 7:
+            return fut
+        from concurrent.futures import Future
+
+        bad: Future = Future()
+        bad.set_result([None if t is None else torch.full_like(t, float("nan")) for t in fut.result(60)])
+        return bad
+
+    monkeypatch.setattr(client, "fetch_layer", nan_fetch)
+    monkeypatch.setattr(get_kv_transfer_group().connector_worker._source, "gpu", None)  # every layer from the client
+    ids, _ = build_blend_prompt(tokenizer, SYSTEM, texts[::-1], "Question: which item is 8201?")
+    out = generate(blend_llm, ids, {"kvblend_recompute_ratio": 0.15})
+    monkeypatch.undo()
+    load = _one(blend_stats_path, out, "load")
+    assert load["fallback"] and load["recovered_by"] == "full_prefill", load
+    assert "non-finite" in load["error"]
+    assert_matches_full(out, generate(blend_llm, ids, FULL))
+
+
 def test_prometheus_hooks_export_our_counters():
     """Worker and scheduler deltas are summed by vLLM (aggregate) and land on /metrics as
     ``vllm:kvblend_<name>_total`` per engine (build_prom_metrics -> observe)."""
