@@ -81,6 +81,30 @@ class CostSamples:
         return bool(self.compute or self.transfer)
 
 
+def kv_bytes_per_token(spec, itemsize: int) -> int:
+    """Bytes of one token's KV in every layer (K and V) of a model of ``spec``
+    (:class:`blend.protocols.ModelSpec`) stored at ``itemsize`` bytes per element."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: int = 0) -> CostSamples:
+    """What one blend or prefill measured (its :class:`blend.result.BlendCounters`), as samples:
+    its compute (rows per layer, ``keys`` tokens, load waits excluded) and, for a blend of
+    ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token) and the
+    seconds to the last layer's arrival. Called by the vLLM worker after each blend and prefill,
+    and by ``kvblend bench gpu --placement`` the same way."""
+    out = CostSamples()
+    rows = counters.recomputed_tokens_per_layer
+    if rows and counters.compute_s > 0:
+        out.compute.append((sum(rows) / len(rows), keys, counters.compute_s))
+    if plan is not None and counters.transfer_s > 0 and counters.full_prefill_reason is None and per_token:
+        by_tier: dict[str, int] = {}
+        for seg in plan.hit_segments:
+            by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
+        out.transfer.append((by_tier, counters.transfer_s))
+    return out
+
+
 class CostEstimator:
     """See the module docstring.
 

@@ -37,7 +37,7 @@ from blend.engine import QUERY_SELECTIONS
 from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
-from cluster.vllm.costs import CostSamples
+from cluster.vllm.costs import CostSamples, kv_bytes_per_token, samples_of
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
@@ -128,18 +128,10 @@ class KVBlendWorker:
 
     def _sample_costs(self, c, keys: int, plan=None) -> None:
         """What one blend or prefill measured, for the scheduler half's cost estimates
-        (:mod:`cluster.vllm.costs`): its compute (rows per layer, load waits excluded) and,
-        when it loaded chunks, their bytes per tier and the seconds to the last layer."""
-        rows = c.recomputed_tokens_per_layer
-        if rows and c.compute_s > 0:
-            self._cost_samples.compute.append((sum(rows) / len(rows), keys, c.compute_s))
-        if plan is not None and c.transfer_s > 0 and c.full_prefill_reason is None:
-            spec = self._engine.spec
-            per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self._engine.model.dtype.itemsize
-            by_tier: dict[str, int] = {}
-            for seg in plan.hit_segments:
-                by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
-            self._cost_samples.transfer.append((by_tier, c.transfer_s))
+        (:func:`cluster.vllm.costs.samples_of`)."""
+        engine = self._engine
+        per_token = kv_bytes_per_token(engine.spec, engine.model.dtype.itemsize) if plan is not None else 0
+        self._cost_samples = self._cost_samples.merge(samples_of(c, keys, plan, per_token))
 
     def take_cost_samples(self) -> CostSamples | None:
         """The samples since the last call (None when none), for vLLM's worker metadata."""
