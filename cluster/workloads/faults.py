@@ -2,8 +2,9 @@
 that passes, black-holes or slows a service's traffic (:class:`TcpProxy`), a frozen process
 (:func:`sigstopped`), bad objects in a tier — flipped, truncated, forged to claim huge sizes,
 or gone while the shard's index lists them (:func:`corrupt_object`, :func:`remove_object`) —
-a full disk (:func:`small_tmpfs`) and a stalled disk file (:func:`stalled_file`). Never on the serving path; each injector undoes itself
-on exit, also on an exception, and stops the threads it started.
+a full disk (:func:`small_tmpfs`), a stalled disk file (:func:`stalled_file`) and a tier whose
+reads trickle at a set bandwidth (:class:`ThrottledTier`). Never on the serving path; each
+injector undoes itself on exit, also on an exception, and stops the threads it started.
 """
 
 from __future__ import annotations
@@ -413,3 +414,44 @@ def small_tmpfs(path: str, size_bytes: int) -> Iterator[str]:
     finally:
         if subprocess.run(["umount", path], capture_output=True, timeout=30).returncode != 0:
             subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+
+
+class ThrottledTier:
+    """A :class:`~tiers.tier.Tier` whose reads (``get``, ``get_ranges``) deliver at most
+    ``gbps`` GB/s in all, after ``latency_s`` each: a slow device or a remote store (Redis, S3)
+    where neither can run, e.g. ``kvblend bench gpu --placement``'s ``slow`` rows (issue 34).
+    Reads are paced by one schedule shared by every thread (a read waits for the bytes queued
+    ahead of it), the sleep outside the lock. ``gbps`` may change while reads run (a tier that
+    slows down or recovers). Writes and the rest pass through; ``name`` is the tier's own
+    unless given."""
+
+    def __init__(self, tier, gbps: float, latency_s: float = 0.0, name: str | None = None) -> None:
+        if not gbps > 0:
+            raise ValueError(f"gbps={gbps} must be > 0")
+        self.tier, self.gbps, self.latency_s = tier, float(gbps), float(latency_s)
+        self.name = name or tier.name
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def _pace(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now + self.latency_s, self._free_at) + nbytes / (self.gbps * 1e9)
+            wait = self._free_at - now
+        if wait > 0:
+            time.sleep(wait)
+
+    def get(self, key):
+        obj = self.tier.get(key)
+        if obj is not None:
+            self._pace(len(obj))
+        return obj
+
+    def get_ranges(self, key, ranges):
+        got = self.tier.get_ranges(key, ranges)
+        if got is not None:
+            self._pace(sum(len(b) for b in got))
+        return got
+
+    def __getattr__(self, name):  # contains, put, delete, stats, keys, close ... of the tier
+        return getattr(self.tier, name)
