@@ -17,7 +17,7 @@ The model of one blend (CacheBlend's layer pipeline, Yao et al., EuroSys 2025, Â
     blend(L)    = max(compute, transfer) + min(compute, transfer) / num_layers
 
 for the set ``L`` of hit chunks loaded (the others are recomputed with the prompt's new
-tokens, like misses). Full prefill costs ``compute_s(T, T)``. Chunks are ordered by their
+tokens, like misses). Full prefill costs ``prefill_s(T)``. Chunks are ordered by their
 transfer time per token (the fastest tiers first) and every prefix of that order is priced,
 from "load none" (full prefill) to "load all" (today's plan); the cheapest wins, ties going to
 more loads, and anything but "load all" only when it is :data:`MARGIN` sooner. So when some chunks are fast and others slow the slow ones are recomputed while the
@@ -57,9 +57,13 @@ class CostEstimates(Protocol):
         """Whether :meth:`compute_s` rests on measurements (False: none yet)."""
         ...
 
-    def compute_s(self, rows: int, keys: int) -> float:
-        """Seconds to compute ``rows`` prompt rows through every layer, attending causally over
-        a prompt of ``keys`` tokens (``rows == keys``: full prefill)."""
+    def compute_s(self, rows: float, keys: int) -> float:
+        """Seconds of a blend's compute: ``rows`` prompt rows (per layer, on average) through
+        every layer, attending causally over a prompt of ``keys`` tokens."""
+        ...
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds of full prefill of ``tokens`` tokens."""
         ...
 
     def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
@@ -146,7 +150,7 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
             by_tier[s.tier] = by_tier.get(s.tier, 0) + s.num_tokens * kv_bytes_per_token
         return blend_seconds(estimates.compute_s(rows, keys), estimates.transfer_s(by_tier), num_layers)
 
-    full_s = estimates.compute_s(keys, keys)
+    full_s = estimates.prefill_s(keys)
     prices = [full_s if k == 0 else price(order[:k]) for k in range(len(order) + 1)]
     lowest = len(forced)  # the explored chunks are always loaded
     best = min(range(lowest, len(prices)), key=lambda k: (prices[k], -k))

@@ -85,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client", default="", metavar="NAMES",
                    help="instead of the tiers: the shared cache's path to the GPU through these clients "
                         "(agent,ray,local: cluster.bench.gpu_clients; needs ray)")
+    p.add_argument("--placement", default="", metavar="NAMES",
+                   help="instead of the tiers: full prefill, always-load and cost-aware plans by where the "
+                        "chunks sit (gpu,host_hot,host_cold,disk,slow,mixed: cluster.bench.gpu_placement; "
+                        "'all' for every one)")
     p.add_argument("--churn-lengths", default="8192", help="with --client: lengths that also get a churn row")
     p.add_argument("--arena-gib", type=float, default=0.0,
                    help="with --client: the agent's arena (agent_arena_gib; default: the config's)")
@@ -123,6 +127,17 @@ def run(args: argparse.Namespace) -> int:
     if not lengths or min(lengths) < args.chunk_tokens // 2 + PREFIX_TOKENS + QUERY_TOKENS:
         raise ValueError(f"--lengths {lengths}: each must hold at least one {args.chunk_tokens}-token chunk")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    if args.placement:
+        from cluster.bench.gpu_placement import PLACEMENTS, print_rows, run_placements
+
+        args.placement = list(PLACEMENTS) if args.placement == "all" else [p for p in args.placement.split(",") if p]
+        if not set(args.placement) <= set(PLACEMENTS):
+            raise ValueError(f"--placement {args.placement}: each one of {PLACEMENTS}")
+        out = run_placements(args, lengths)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print_rows(out)
+        return 0
     if args.client:
         from cluster.bench.gpu_clients import CLIENTS, print_rows, run_clients
 

@@ -1,7 +1,8 @@
 """The serving process's estimates of what loading and computing cost (issue 34), kept up to
 date from its own requests: :class:`CostEstimator` implements :class:`blend.cost.CostEstimates`.
 
-* **Compute.** A request's compute is modelled as ``seconds = c0 + s * W`` with
+* **Compute.** A request's compute is modelled as ``seconds = c0 + s * W`` (one fit for
+  blends, one for prefills: a blend has more fixed cost, launches and selection) with
   ``W = rows * (k_lin + keys / 2)``: ``rows`` computed per layer (mean over layers), each
   through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
   key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
@@ -54,6 +55,37 @@ FORGET = 0.9
 EXPLORE_AFTER = 8
 #: tier names counted on /metrics as they are (any other is counted as "other")
 TIERS = ("gpu", "host", "disk", "redis", "s3")
+#: the kinds of compute sample: a blend, and a prefill of every row (the engine's own:
+#: canonical KV of stored chunks, fallbacks); each has its own fit (a blend has more fixed cost)
+BLEND, PREFILL = "blend", "prefill"
+
+
+class _Fit:
+    """``seconds = c0 + s * W`` by least squares over samples ``(W, seconds)`` with exponential
+    forgetting (:data:`FORGET`); ``c0 >= 0`` (else the line through the origin)."""
+
+    def __init__(self) -> None:
+        self.sums = [0.0] * 5   # weighted n, W, S, W*W, W*S
+        self.c0, self.s = 0.0, 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.s > 0.0
+
+    def add(self, w: float, seconds: float) -> None:
+        f = self.sums
+        for i, v in enumerate((1.0, w, seconds, w * w, w * seconds)):
+            f[i] = FORGET * f[i] + v
+        n, sw, ss, sww, sws = f
+        den = n * sww - sw * sw
+        slope = (n * sws - sw * ss) / den if n > 1.5 and den > 1e-12 * n * sww else 0.0
+        c0 = (ss - slope * sw) / n if slope > 0 else -1.0
+        if c0 < 0:  # no negative overhead: the line through the origin
+            c0, slope = 0.0, sws / sww
+        self.c0, self.s = c0, slope
+
+    def __call__(self, w: float) -> float:
+        return self.c0 + self.s * w
 
 
 def linear_keys(hidden: int, kv_dim: int, intermediate: int) -> float:
@@ -67,11 +99,12 @@ class CostSamples:
     """Measurements of one worker step, sent to the scheduler half (picklable).
 
     Attributes:
-        compute: ``(rows per layer, keys, seconds)`` per blend or prefill.
+        compute: ``(rows per layer, keys, seconds, kind)`` per blend (kind :data:`BLEND`) or
+            prefill (:data:`PREFILL`).
         transfer: ``({tier: bytes}, seconds)`` per blend that loaded chunks.
     """
 
-    compute: list[tuple[float, int, float]] = field(default_factory=list)
+    compute: list[tuple[float, int, float, str]] = field(default_factory=list)
     transfer: list[tuple[dict[str, int], float]] = field(default_factory=list)
 
     def merge(self, other: CostSamples) -> CostSamples:
@@ -96,7 +129,8 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     out = CostSamples()
     rows = counters.recomputed_tokens_per_layer
     if rows and counters.compute_s > 0:
-        out.compute.append((sum(rows) / len(rows), keys, counters.compute_s))
+        kind = BLEND if counters.num_hit_segments and counters.full_prefill_reason is None else PREFILL
+        out.compute.append((sum(rows) / len(rows), keys, counters.compute_s, kind))
     if plan is not None and counters.transfer_s > 0 and counters.full_prefill_reason is None and per_token:
         by_tier: dict[str, int] = {}
         for seg in plan.hit_segments:
@@ -117,23 +151,31 @@ class CostEstimator:
         self.k_lin = float(k_lin)
         self._priors = {**PRIORS, **(priors or {})}
         self._tiers: dict[str, list[float]] = {}     # tier -> [latency s, seconds per byte]
-        self._fit = [0.0] * 5                         # weighted sums: n, W, S, W*W, W*S
-        self._c0, self._s = 0.0, 0.0
+        self._fits = {BLEND: _Fit(), PREFILL: _Fit()}
         self._unexplored: dict[str, int] = {}
         self._lock = threading.Lock()
 
     # -------------------------------------------------------------------- CostEstimates
     @property
     def compute_known(self) -> bool:
+        """Whether a blend has been measured (its fixed cost is a blend's own)."""
         with self._lock:
-            return self._s > 0.0
+            return self._fits[BLEND].known
 
     def work(self, rows: float, keys: int) -> float:
         return float(rows) * (self.k_lin + keys / 2.0)
 
-    def compute_s(self, rows: int, keys: int) -> float:
+    def compute_s(self, rows: float, keys: int) -> float:
+        """A blend's compute: ``rows`` per layer over a ``keys``-token prompt."""
         with self._lock:
-            return self._c0 + self._s * self.work(rows, keys)
+            return self._fits[BLEND](self.work(rows, keys))
+
+    def prefill_s(self, tokens: int) -> float:
+        """Full prefill of ``tokens``: the prefill fit, or the blend fit over every row until a
+        prefill was measured (a blend's fixed cost on top: loading is favoured, as before)."""
+        with self._lock:
+            fit = self._fits[PREFILL] if self._fits[PREFILL].known else self._fits[BLEND]
+            return fit(self.work(tokens, tokens))
 
     def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
         with self._lock:
@@ -153,29 +195,17 @@ class CostEstimator:
     # -------------------------------------------------------------------- updates
     def add(self, samples: CostSamples) -> None:
         """Fold a worker step's measurements in (bad samples — non-positive or non-finite — are skipped)."""
-        for rows, keys, seconds in samples.compute:
-            self.add_compute(rows, keys, seconds)
+        for rows, keys, seconds, kind in samples.compute:
+            self.add_compute(rows, keys, seconds, kind)
         for by_tier, seconds in samples.transfer:
             self.add_transfer(by_tier, seconds)
 
-    def add_compute(self, rows: float, keys: int, seconds: float) -> None:
+    def add_compute(self, rows: float, keys: int, seconds: float, kind: str = BLEND) -> None:
         w = self.work(rows, keys)
-        if not (w > 0 and 0 < seconds < float("inf")):
+        if not (w > 0 and 0 < seconds < float("inf")) or kind not in self._fits:
             return
         with self._lock:
-            f = self._fit
-            for i, v in enumerate((1.0, w, seconds, w * w, w * seconds)):
-                f[i] = FORGET * f[i] + v
-            n, sw, ss, sww, sws = f
-            den = n * sww - sw * sw
-            slope = (n * sws - sw * ss) / den if n > 1.5 and den > 1e-12 * n * sww else 0.0
-            if slope > 0:
-                c0 = (ss - slope * sw) / n
-                if c0 < 0:  # no negative overhead: the line through the origin
-                    c0, slope = 0.0, sws / sww
-            else:
-                c0, slope = 0.0, sws / sww
-            self._c0, self._s = c0, slope
+            self._fits[kind].add(w, seconds)
 
     def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float) -> None:
         if not 0 < seconds < float("inf"):
@@ -210,7 +240,8 @@ class CostEstimator:
     def snapshot(self) -> dict:
         """The current estimates (for the event log): compute fit and per tier latency / GB/s."""
         with self._lock:
-            return {"compute_c0_s": self._c0, "compute_s_per_work": self._s,
+            return {**{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
+                    **{f"{k}_s_per_work": f.s for k, f in self._fits.items()},
                     "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}
                               for t, (lat, spb) in sorted(self._tiers.items())}}
 

@@ -29,8 +29,11 @@ class Scripted:
     def compute_known(self) -> bool:
         return self.known
 
-    def compute_s(self, rows: int, keys: int) -> float:
+    def compute_s(self, rows: float, keys: int) -> float:
         return self.per_row * rows
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.per_row * tokens
 
     def transfer_s(self, bytes_by_tier) -> float:
         return sum(n / (self.gbps[t] * 1e9) for t, n in bytes_by_tier.items())

@@ -78,3 +78,26 @@ def test_bench_gpu_clients_tiny_runs_every_client_and_state(tmp_path):
     agent = out["agent_stats"]
     assert agent["arena"]["arena_peak_bytes"] > 0 and agent["client"]["arena_full"] == 0
     assert agent["client"]["lookups"] > 0 and agent["agent"]["up"] is True
+
+
+@pytest.mark.timeout(600)
+def test_bench_gpu_placement_tiny_times_every_way_and_placement(tmp_path):
+    """Issue 34's benchmark at its smallest: every placement, full prefill / always-load /
+    cost-aware interleaved, the cost-aware choices recorded, the settling run's three phases."""
+    from cluster.bench.gpu_placement import PLACEMENTS
+    from cluster.cli.main import main
+
+    path = tmp_path / "placement.json"
+    rc = main(["bench", "gpu", "--json", str(path), "--tiny", "--device", "cpu", "--lengths", "300",
+               "--chunk-tokens", "32", "--repeats", "2", "--placement", "all", "--disk-dir", str(tmp_path / "disk")])
+    assert rc == 0
+    out = json.loads(path.read_text())
+    assert [r["placement"] for r in out["rows"]] == list(PLACEMENTS)
+    for r in out["rows"]:
+        assert r["repeats"] == 2 and len(r["choices"]) == 2, r
+        for way in ("full", "always_load", "cost_aware"):
+            assert 0 < r[f"{way}_min_s"] <= r[f"{way}_s"] <= r[f"{way}_max_s"], (r["placement"], way)
+        assert all(c == "full" or c == "load" or c.startswith("recompute:") for c in r["choices"])
+    assert set(out["settling"]) == {"tokens", "fast", "slowed", "recovered"}
+    assert "slow" in out["estimates"]["tiers"] and out["estimates"]["blend_s_per_work"] > 0
+    assert "agent" in out["left_out"]

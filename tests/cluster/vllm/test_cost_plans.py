@@ -50,7 +50,8 @@ def _estimates(disk_gbps: float) -> CostEstimator:
     est = CostEstimator(k_lin=1.0, priors={"host": (0.0, 1e12), "disk": (0.0, disk_gbps * 1e9)})
     est.k_lin = 0.0
     est.work = lambda rows, keys: float(rows)  # seconds = 1e-3 * rows
-    est.add_compute(1000, 1000, 1.0)
+    est.add_compute(1000, 1000, 1.0, "blend")
+    est.add_compute(1000, 1000, 1.0, "prefill")
     return est
 
 

@@ -38,7 +38,8 @@ def test_compute_fit_recovers_overhead_and_slope():
 
 def test_one_sample_is_a_line_through_the_origin_and_bad_samples_are_skipped():
     est = CostEstimator(k_lin=0.0)
-    est.add(CostSamples(compute=[(10, 10, float("nan")), (10, 10, -1.0), (0, 10, 1.0)]))
+    est.add(CostSamples(compute=[(10, 10, float("nan"), "blend"), (10, 10, -1.0, "blend"), (0, 10, 1.0, "blend"),
+                                 (10, 10, 1.0, "another kind")]))
     assert not est.compute_known
     est.add_compute(100, 100, 0.5)
     assert est.compute_s(200, 100) == pytest.approx(1.0)
@@ -69,7 +70,7 @@ class _World:
             else:
                 recomputed[tier] = recomputed.get(tier, 0) + 1
         self.est.note_plan(loaded, recomputed)
-        samples = CostSamples(compute=[(300.0, plan.blend_end, 1e-7 * self.est.work(300.0, plan.blend_end))])
+        samples = CostSamples(compute=[(300.0, plan.blend_end, 1e-7 * self.est.work(300.0, plan.blend_end), "blend")])
         if by_tier:
             samples.transfer.append((by_tier, sum(n / (self.true_gbps[t] * 1e9) for t, n in by_tier.items())))
         self.est.add(samples)
@@ -107,3 +108,17 @@ def test_snapshot_names_every_tier_seen():
     est.add_transfer({"disk": 10**9}, 2.0)
     snap = est.snapshot()
     assert 0.5 < snap["tiers"]["disk"]["gbps"] < 1.0  # moved ALPHA of the way from 1 GB/s toward 0.5
+
+
+def test_a_blends_fixed_cost_is_its_own_so_short_prompts_go_to_full_prefill():
+    """Blends and prefills are fitted apart: a blend's fixed cost (launches, selection) makes
+    full prefill the sooner way for a short prompt however cheap the tiers, not for a long one."""
+    est = CostEstimator(k_lin=100.0)
+    for rows, keys in [(100, 1000), (300, 2000), (900, 6000)]:
+        est.add_compute(rows, keys, 0.05 + 1e-8 * est.work(rows, keys), "blend")
+    for keys in (500, 1000, 2000, 6000):
+        est.add_compute(keys, keys, 1e-8 * est.work(keys, keys), "prefill")
+    assert est.snapshot()["blend_c0_s"] == pytest.approx(0.05) and est.snapshot()["prefill_c0_s"] == pytest.approx(0)
+    short, long = _plan(["host"], tokens=300), _plan(["host"] * 16, tokens=2000)
+    assert choose(short, est, kv_bytes_per_token=1, num_layers=LAYERS).full_prefill
+    assert not choose(long, est, kv_bytes_per_token=1, num_layers=LAYERS).full_prefill
