@@ -88,12 +88,15 @@ class LocalCacheClient:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
         """Which keys the tier holds (header read and checked per key); ``tier`` of each
-        :class:`ChunkMeta` is the tier's name. Promotes nothing."""
+        :class:`ChunkMeta` is the tier's name (of a :class:`~tiers.stack.TierStack`: the tier
+        holding the key, so a cost-aware plan prices each chunk by its own tier). Promotes nothing."""
         keys = list(keys)
         for key in keys:
             _check_key("lookup", key)
         out: list[ChunkMeta | None] = []
-        for key in keys:
+        locate = getattr(self.tier, "locate", None)  # a TierStack names the tier holding each key
+        names = locate(keys) if callable(locate) else [self.tier.name] * len(keys)
+        for key, name in zip(keys, names, strict=True):
             h = self._header(key)
             self._count("lookups")
             if h is None:
@@ -101,7 +104,7 @@ class LocalCacheClient:
                 out.append(None)
             else:
                 self._count("hits")
-                out.append(ChunkMeta(key, h.num_tokens, tuple(h.position_list()), self.tier.name))
+                out.append(ChunkMeta(key, h.num_tokens, tuple(h.position_list()), name or self.tier.name))
         return out
 
     def read_layer(self, key: ChunkKey, layer_idx: int) -> torch.Tensor | None:
