@@ -133,9 +133,12 @@ def run(args: argparse.Namespace) -> int:
         args.placement = list(PLACEMENTS) if args.placement == "all" else [p for p in args.placement.split(",") if p]
         if not set(args.placement) <= set(PLACEMENTS):
             raise ValueError(f"--placement {args.placement}: each one of {PLACEMENTS}")
-        out = run_placements(args, lengths)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        def write(out: dict) -> None:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+
+        out = run_placements(args, lengths, partial=write)
+        write(out)
         print_rows(out)
         return 0
     if args.client:

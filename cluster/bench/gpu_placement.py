@@ -117,8 +117,10 @@ class _Placements:
             s.close()
 
 
-def run_placements(args, lengths: list[int]) -> dict:
-    """Build the model, the chunks and the sources; time every length and placement."""
+def run_placements(args, lengths: list[int], partial=None) -> dict:
+    """Build the model, the chunks and the sources; time every length and placement.
+    ``partial(out)`` is called with what is measured so far after each cell (a long run that
+    is stopped keeps it)."""
     import torch
 
     from cluster.bench.gpu_harness import GpuBench
@@ -138,23 +140,28 @@ def run_placements(args, lengths: list[int]) -> dict:
         ids = flat[:n]
         seed.prefill(ids, want_logits=False)  # warm-up of the shape
         estimator.add(samples_of(seed.prefill(ids, want_logits=False).counters, len(ids)))
-    rows = []
+    rows: list[dict] = []
+
+    def report(settle=None) -> dict:
+        return {"device": bench.device_name, "torch": torch.__version__, "model": bench.model_desc,
+                "chunk_tokens": args.chunk_tokens, "ratio": bench.ratios[0], "selection": bench.selections[0],
+                "repeats": args.repeats, "warmup_runs": WARMUP_RUNS, "slow_gbps": SLOW_GBPS,
+                "page_cache": places.page_cache, "estimates": estimator.snapshot(), "settling": settle,
+                "left_out": "vLLM (scheduler, connector metadata, paged KV writes), the shard actor and the "
+                            "cache agent's hop (kvblend bench gpu --client), scheduler and worker in two processes",
+                "rows": rows}
     try:
+        settle = _settling(bench, places, estimator, per_token, min(lengths))
         for length in lengths:
             for placement in args.placement:
                 rows.append(_cell(bench, places, estimator, per_token, length, placement))
                 log.info("%s", {k: v for k, v in rows[-1].items() if k != "choices"})
-        settle = _settling(bench, places, estimator, per_token, min(lengths))
+                if partial is not None:
+                    partial(report(settle))
+        return report(settle)
     finally:
         places.close()
         bench.close()
-    return {"device": bench.device_name, "torch": torch.__version__, "model": bench.model_desc,
-            "chunk_tokens": args.chunk_tokens, "ratio": bench.ratios[0], "selection": bench.selections[0],
-            "repeats": args.repeats, "warmup_runs": WARMUP_RUNS, "slow_gbps": SLOW_GBPS,
-            "page_cache": places.page_cache, "estimates": estimator.snapshot(), "settling": settle,
-            "left_out": "vLLM (scheduler, connector metadata, paged KV writes), the shard actor and the cache "
-                        "agent's hop (kvblend bench gpu --client), scheduler and worker in two processes",
-            "rows": rows}
 
 
 def _run(bench, places, estimator, per_token: int, placement: str, plan, keys, way: str) -> tuple[float, str]:
@@ -242,7 +249,7 @@ def _settling(bench, places, estimator, per_token: int, length: int) -> dict:
         for phase, gbps in (("fast", 3.0), ("slowed", SLOW_GBPS), ("recovered", 3.0)):
             tier.gbps = gbps
             seen = []
-            for _ in range(24):
+            for _ in range(8 if phase == "fast" else 24):
                 seen.append(_run(bench, places, estimator, per_token, "slow", plan, keys, "cost_aware")[1])
                 if phase != "fast" and len(seen) >= 2 and seen[-1] == seen[-2] and seen[-1] != seen[0]:
                     break
