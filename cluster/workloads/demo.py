@@ -6,15 +6,18 @@
    ingested (misses that the connector computes and stores).
 2. Starts a local Ray cluster with cache shards (host + disk tiers; the host tier is sized
    smaller than the working set so the disk tier is really read) unless ``--ray-address``, in
-   a thread, while one ``vllm serve`` without the connector starts (prefix caching on); once
-   both are up, that engine answers the queries as ``full`` (every request with its own
-   ``cache_salt``: nothing reused, full prefill) and then as ``vllm_prefix`` (vLLM's prefix
-   cache), and stops. No kvblend request runs beside a measured baseline query.
-3. Ingests the corpus (timed) and sends the same queries to two ``vllm serve`` replicas with
-   the kvblend connector, alternating. Each engine first answers the same one-query warm-up
-   (its passages are ingested, so kvblend's warm-up takes the blend path).
-   Queries are sent one after another, so one engine computes at a time: every engine's
-   OpenMP threads get all of this machine's cores (``--cpus``).
+   a thread, and at the same time the engines (:class:`_Engines`): one ``vllm serve`` without
+   the connector (prefix caching on) and, once the cluster is up, two with the kvblend
+   connector; an engine's start is mostly imports on one core, so they start together. The
+   baseline engine answers the queries as ``full`` (every request with its own ``cache_salt``:
+   nothing reused, full prefill) and then the first ``--prefix-queries`` as ``vllm_prefix``
+   (vLLM's prefix cache), and stops. No kvblend request runs beside a measured baseline query.
+3. Ingests the corpus (timed) and sends the same queries to the two kvblend replicas,
+   alternating. Each engine first answers the same one-query warm-up (its passages are
+   ingested, so kvblend's warm-up takes the blend path). Queries are sent one after another,
+   and after each one the demo waits for that replica's stores (the canonical KV of the
+   passages it missed, computed after its answer): one engine computes at a time, so every
+   engine's OpenMP threads get all of this machine's cores (``--cpus``).
 4. Prints a table per mode (:mod:`cluster.workloads.demo_report`: TTFT p50/p90 and ratio to
    ``full``, serving time, agreement with full prefill's answers, hit rate per tier, reused
    and recomputed tokens, gold F1), then ingest and the wall seconds and busy cores of each
@@ -196,20 +199,27 @@ def run(args: argparse.Namespace) -> int:
     ray_address = args.ray_address
     cluster = None
     ingest = None
+    engines = _Engines(demo)
     try:
         if "kvblend" in modes and not ray_address:
-            cluster = _ClusterStart(args, demo.workdir)  # Ray and shards start beside the baseline engine
+            cluster = _ClusterStart(args, demo.workdir)  # Ray and shards start beside the engines
         baselines = [m for m in ("full", "vllm_prefix") if m in modes]
-        if baselines:
-            results.update(_run_baselines(baselines, demo, args.max_tokens, steps,
-                                          before_serving=cluster.wait if cluster else None))
-        if "kvblend" in modes:
-            if cluster is not None:
-                with steps("cluster start (rest)"):
+        with steps("engines start"):  # every engine at once: their start is mostly one-core imports
+            if baselines:
+                engines.start_baseline()
+            if "kvblend" in modes:
+                if cluster is not None:
                     cluster.wait()
-                ray_address = cluster.ray.address
-            results["kvblend"], ingest = _run_kvblend(args, demo, ray_address, steps)
+                    ray_address = cluster.ray.address
+                engines.start_kvblend(ray_address)
+            engines.wait_ready()
+        if baselines:
+            results.update(_run_baselines(baselines, demo, engines.baseline, args.max_tokens, steps))
+            engines.stop_baseline()
+        if "kvblend" in modes:
+            results["kvblend"], ingest = _run_kvblend(args, demo, ray_address, engines, steps)
     finally:
+        engines.stop()
         if cluster is not None:
             with contextlib.suppress(Exception):  # its error, if any, was raised above
                 cluster.wait()
@@ -279,36 +289,64 @@ def _prepare(args: argparse.Namespace) -> _Demo:
                  max(0, args.prefix_queries))
 
 
-def _run_baselines(modes: list[str], demo: _Demo, max_tokens: int, steps: Steps,
-                   before_serving=None) -> dict[str, ModeResult]:
-    """Step 2: one ``vllm serve`` without the connector, prefix caching on, answers the queries
-    for each baseline mode, then stops: ``full`` sends every request with its own
-    ``cache_salt`` (vLLM reuses nothing: full prefill), ``vllm_prefix`` without (vLLM's prefix
-    cache). One engine start and one warm-up serve both. ``before_serving`` runs once the
-    engine is up (the demo waits there for its cluster, which started beside it)."""
-    from cluster.workloads.replicas import start_replica, wait_ready
+class _Engines:
+    """The demo's ``vllm serve`` engines: the baseline (no connector, prefix caching on) and the
+    two kvblend replicas, started together (:meth:`wait_ready` waits for all) and bound to the
+    same cores: an engine's start is mostly Python imports on one core, and serving goes one
+    query at a time, so one engine computes at a time. The idle ones cost ~1% of a core."""
 
-    out = {}
-    with steps("baseline engine start"):
-        rep = start_replica("baseline", demo.model_path, use_connector=False, prefix_caching=True,
-                            log_dir=demo.workdir, cpus=demo.cpus)
-        try:
+    def __init__(self, demo: _Demo) -> None:
+        self.demo = demo
+        self.baseline = None
+        self.kvblend: list = []
+        self.stats_path = os.path.join(demo.workdir, "connector-stats.jsonl")
+
+    def start_baseline(self) -> None:
+        from cluster.workloads.replicas import start_replica
+
+        self.baseline = start_replica("baseline", self.demo.model_path, use_connector=False, prefix_caching=True,
+                                      log_dir=self.demo.workdir, cpus=self.demo.cpus)
+
+    def start_kvblend(self, ray_address: str) -> None:
+        from cluster.workloads.replicas import start_replica
+
+        if os.path.exists(self.stats_path):
+            os.remove(self.stats_path)
+        extra = {"ray_address": ray_address, "stats_path": self.stats_path}
+        for c in "ab":
+            self.kvblend.append(start_replica(f"kvblend-{c}", self.demo.model_path, connector_extra=extra,
+                                              log_dir=self.demo.workdir, cpus=self.demo.cpus))
+
+    def wait_ready(self) -> None:
+        from cluster.workloads.replicas import wait_ready
+
+        for rep in ([self.baseline] if self.baseline is not None else []) + self.kvblend:
             wait_ready(rep)
-        except BaseException:
+
+    def stop_baseline(self) -> None:
+        if self.baseline is not None:
+            self.baseline.stop()
+            self.baseline = None
+
+    def stop(self) -> None:
+        self.stop_baseline()
+        for rep in self.kvblend:
             rep.stop()
-            raise
-    try:
-        if before_serving is not None:
-            with steps("cluster start (waited for)"):
-                before_serving()
-        warm = demo.warm_prompts
-        for mode in modes:
-            prompts = demo.prompts[:demo.prefix_queries or None] if mode == "vllm_prefix" else demo.prompts
-            with steps(f"{mode} serving"):
-                out[mode] = _serve_queries(mode, [rep], prompts, warm, max_tokens, salted=(mode == "full"))
-            warm = []  # the engine is warm
-    finally:
-        rep.stop()
+        self.kvblend = []
+
+
+def _run_baselines(modes: list[str], demo: _Demo, rep, max_tokens: int, steps: Steps) -> dict[str, ModeResult]:
+    """Step 2: the baseline engine (no connector, prefix caching on) answers the queries for
+    each baseline mode: ``full`` sends every request with its own ``cache_salt`` (vLLM reuses
+    nothing: full prefill), ``vllm_prefix`` without (vLLM's prefix cache), the first
+    ``--prefix-queries`` only. One warm-up serves both."""
+    out = {}
+    warm = demo.warm_prompts
+    for mode in modes:
+        prompts = demo.prompts[:demo.prefix_queries or None] if mode == "vllm_prefix" else demo.prompts
+        with steps(f"{mode} serving"):
+            out[mode] = _serve_queries(mode, [rep], prompts, warm, max_tokens, salted=(mode == "full"))
+        warm = []  # the engine is warm
     return out
 
 
@@ -346,16 +384,16 @@ class _ClusterStart:
             raise RuntimeError(f"starting the demo's cluster failed: {self._error}") from self._error
 
 
-def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
-    """Step 3: ingest (timed) into the cluster, then two ``vllm serve`` replicas with the
-    connector answer the queries, alternating. Returns ``(ModeResult, IngestReport)``."""
+def _run_kvblend(args, demo: _Demo, ray_address: str, engines: _Engines, steps: Steps):
+    """Step 3: ingest (timed) into the cluster, then the two kvblend replicas answer the queries,
+    alternating. Returns ``(ModeResult, IngestReport)``."""
     import torch
 
     from cluster.cache.factory import make_client
     from cluster.config import load_config
     from cluster.namespace import fingerprint_cache_path, namespace_for
     from cluster.workloads.ingest import build_engine, ingest_passages
-    from cluster.workloads.replicas import default_dtype, start_replica, wait_ready
+    from cluster.workloads.replicas import default_dtype
 
     cfg = load_config(overrides={"ray_address": ray_address})
     dtype = default_dtype()  # the replicas serve (and store KV) in this dtype
@@ -368,20 +406,9 @@ def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
         del engine
     print(f"ingest: {report.stored} passages, {report.tokens} tokens in {report.seconds:.1f} s "
           f"({report.tokens_per_s:.0f} tokens/s)")
-    stats_path = os.path.join(demo.workdir, "connector-stats.jsonl")
-    if os.path.exists(stats_path):
-        os.remove(stats_path)
-    extra = {"ray_address": ray_address, "stats_path": stats_path}
-    # Both replicas bind the same cores: queries go one at a time, so one engine computes at a
-    # time. They start one after the other (two engines warming up on the same cores at once
-    # crawl: spinning OpenMP threads).
-    reps = []
+    stats_path = engines.stats_path
+    reps = engines.kvblend
     try:
-        with steps("kvblend engines start"):
-            for c in "ab":
-                reps.append(start_replica(f"kvblend-{c}", demo.model_path, connector_extra=extra,
-                                          log_dir=demo.workdir, cpus=demo.cpus))
-                wait_ready(reps[-1])
         mark = {}
 
         def stores_done() -> float:
@@ -398,8 +425,7 @@ def _run_kvblend(args, demo: _Demo, ray_address: str, steps: Steps):
                                  after_warmup=lambda: (stores_done(), mark.setdefault("n", len(read_events(stats_path)))),
                                  after_request=stores_done)
     finally:
-        for r in reps:
-            r.stop()
+        engines.stop()
     events = read_events(stats_path)
     res.extra = connector_summary(events[mark.get("n", 0):])
     res.extra["ttft_breakdown"] = ttft_breakdown(res.requests, events)
