@@ -11,8 +11,8 @@ head). This process never imports Ray. While the agent is up, calls go over its 
                    copies each into a slot of this process's shared-memory arena
                    (:mod:`cluster.cache.arena`; over the socket when there is none), waited
                    for at most ``load_timeout_s`` (the engine's own wait for a layer: a later
-                   answer could not be used); then each layer is sliced and checked here (its
-                   tag too, when a key is set and the object came from Redis or S3);
+                   answer could not be used); then each layer is sliced and copied here (checked
+                   here when the object came from Redis or S3: its tag, or XXH3);
                    ``host_layers()`` hands the same objects to a CUDA worker's staging, which
                    registers the arena with CUDA and copies layers from it to the GPU
 ``put``            the chunk object, encoded here once (the agent forwards it to the owner
@@ -199,9 +199,9 @@ class AgentClient(AgentLife):
                 if a is not None and layer_idx < a[1].num_layers:
                     arr, header, shared = a
                     try:
-                        # the node's host memory was authenticated as it entered (tiers.auth);
-                        # an object read from Redis or S3 was not: its layer tag is checked here
-                        t = object_layer(header, layer_idx, arr, authenticate=shared).to(self.device)
+                        # the node's host memory checked every layer as it entered; an object
+                        # read from Redis or S3 was not: its layer tag (or XXH3) is checked here
+                        t = object_layer(header, layer_idx, arr, checked=not shared).to(self.device)
                     except (FormatError, ValueError) as err:
                         log.debug("layer %d of %s rejected: %s", layer_idx, k, err)
                         self._count("read_errors")

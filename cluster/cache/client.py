@@ -18,8 +18,8 @@ per-layer reads need no metadata round trip. The first ``fetch_layer`` of a chun
 has not mapped asks the owning shards for the chunks' ``ObjectRef``\\ s (one ``get_refs`` call
 per shard, in parallel), ``ray.get``\\ s the whole objects at once (zero-copy on the same node)
 and keeps them mapped in an LRU bounded by ``max_mapped_bytes`` (each mapped object stays
-pinned in the node's object store while mapped); every layer is then a slice, checksum
-and copy. Refs are not returned by ``lookup`` (each returned ref costs Ray a borrower
+pinned in the node's object store while mapped); every layer is then a slice and a
+copy (its checksum was checked as the shard stored it). Refs are not returned by ``lookup`` (each returned ref costs Ray a borrower
 registration: 16 refs added ~5 ms to a 1 ms call on the dev box) nor kept after mapping.
 
 Failure behaviour: every shard call waits at most ``call_timeout_s`` (a lookup: its
@@ -386,8 +386,8 @@ class CacheClient:
             return None
 
     def _slice(self, key: ChunkKey, header: ChunkHeader, arr: np.ndarray, layer_idx: int):
-        try:  # a shard's host memory: authenticated as it entered (tiers.auth), XXH3 only here
-            return object_layer(header, layer_idx, arr, authenticate=False).to(self.device)
+        try:  # a shard's host memory: every layer checked as it entered (as staging copies it)
+            return object_layer(header, layer_idx, arr, checked=True).to(self.device)
         except (FormatError, ValueError) as err:
             log.debug("layer %d of %s rejected: %s", layer_idx, key, err)
             self._count("read_errors")
