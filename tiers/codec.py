@@ -34,13 +34,22 @@ class LayerBatch(list):
     ready: object | None = None
 
 
-def encode_kv(key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None,
-              compress: bool = False) -> bytes:
-    """Encode ``kv`` ``[L, 2, T, H, D]`` into a chunk object (see :mod:`tiers.format`)."""
+def check_kv(kv: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``kv`` is ``[L, 2, T, H, D]`` in a dtype of :data:`TORCH_DTYPES`."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [L, 2, T, H, D], got {tuple(kv.shape)}")
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"kv dtype {kv.dtype} not supported")
+
+
+def encode_kv(key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None,
+              compress: bool = False) -> bytes:
+    """Encode ``kv`` ``[L, 2, T, H, D]`` into a chunk object (see :mod:`tiers.format`).
+
+    Raises:
+        ValueError: as :func:`check_kv`.
+    """
+    check_kv(kv)
     kv = kv.detach().to("cpu").contiguous()
     num_layers, _, num_tokens, num_kv_heads, head_dim = kv.shape
     raw = kv.view(torch.uint8).view(num_layers, -1).numpy()

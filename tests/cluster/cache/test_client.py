@@ -93,12 +93,12 @@ def test_mapped_objects_are_bounded_by_bytes(kvconfig, shards):
     for k, kv in zip(keys, kvs, strict=True):
         writer.put(k, kv)
     assert writer.flush(30)
-    one = len(writer.fetch_layer(keys[:1], 0).result(30)) and writer._objects[keys[0]][0].nbytes
+    one = len(writer.fetch_layer(keys[:1], 0).result(30)) and writer.objects.get(keys[0])[0].nbytes
     reader = CacheClient(kvconfig, NAMESPACE, max_mapped_bytes=3 * one)
     for layer in range(4):
         got = reader.fetch_layer(keys, layer).result(30)
         assert all(torch.equal(g, kv[layer]) for g, kv in zip(got, kvs, strict=True))
-        assert 1 <= len(reader._objects) <= 3
+        assert 1 <= len(reader.objects) <= 3
     for c in (writer, reader):
         c.close()
 
