@@ -376,3 +376,18 @@ def stop_shard(s) -> None:
     if getattr(s, "_disk_lock", None) is not None:  # its disk directory's flock
         os.close(s._disk_lock)
         s._disk_lock = None
+
+
+def sibling_client(client):
+    """Another client over the same store as ``client`` (another replica's: nothing looked up,
+    nothing held): over its shards from this process or through an agent of its own; over the
+    same tier for a local one (that tier stays ``client``'s to close). The caller closes it."""
+    from cluster.cache.client import CacheClient
+    from cluster.cache.factory import agent_client
+
+    first = client.transports[0]
+    if first.name == "ray":
+        return CacheClient(client.config, client.namespace)
+    if first.name == "agent":
+        return agent_client(client.config, client.namespace)
+    return CacheClient(None, transports=client.transports, borrowed=client.transports)

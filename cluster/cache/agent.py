@@ -298,8 +298,9 @@ class Agent:
 
     def op_objects(self, request):
         """The mapped objects of the keys: written into their arena slots (``refit``: larger
-        than its slot, nothing written), or without slots sent as buffers (an object over what
-        the vLLM side accepts is answered as a miss)."""
+        than its slot, nothing written; with a progress word, answered once their headers are
+        written, the rest copied in the background), or without slots sent as buffers (an
+        object over what the vLLM side accepts is answered as a miss)."""
         objects = self.transport.objects(request).objects
         n = len(request.keys)
         where: list = [None] * n
@@ -331,7 +332,9 @@ class Agent:
             except ValueError as err:
                 log.debug("arena slot for %s refused: %s", request.keys[i], err)
                 self.counters["arena_refused"] += 1
-        written = self.arena.write_many([(*request.slots[i], objects[i]) for i in todo])
+        items = [(*request.slots[i], objects[i]) for i in todo]
+        written = (self.arena.write_progressively(items, request.progress) if request.progress >= 0
+                   else self.arena.write_many(items))
         for i, nbytes in zip(todo, written, strict=True):
             where[i], sizes[i] = "host", nbytes
         return SlotsAnswer(tuple(where), tuple(sizes)).to_wire()[0], []

@@ -5,9 +5,13 @@ vLLM's process owns, one ``objects`` call per request.
 With an arena (:mod:`cluster.cache.arena`, the default) a read is::
 
     reserve a slot per object (size bound from its header)    -> arena full: a counted miss
-    {"op": "objects", "keys", "slots": [[offset, capacity]]}  the agent copies each object in
-    {"where": ["host"|"refit"|null], "sizes"}                 and answers lengths, no bytes
-    each object a view of its slot                            the client checks its header
+    and an 8-byte progress word
+    {"op": "objects", "keys", "slots": [[offset, capacity]],  the agent copies each object's
+     "progress": offset}                                      header in and answers lengths
+    {"where": ["host"|"refit"|null], "sizes"}                 (no bytes), then copies the rest
+    each object a view of its slot                            in rounds (arena.Progress): the
+                                                              client checks each header at once
+                                                              and waits per layer as it reads
 
 ``refit``: the object is larger than its slot (re-encoded since the lookup); the slot is
 freed and that key asked for once more with a slot of its size. Without an arena (it could
@@ -28,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cluster.cache.arena import Arena
+from cluster.cache.arena import Arena, Progress
 from cluster.cache.ops import ObjectsAnswer, ObjectsRequest, SlotsAnswer
 
 log = logging.getLogger("kvblend.client")
@@ -111,20 +115,22 @@ class AgentObjects:
 
     # -- reads ---------------------------------------------------------------------------------
     def read(self, request: ObjectsRequest, call: Call, evict: Callable[[set], bool]) -> ObjectsAnswer:
-        """Per key of ``request`` its object (a view of its arena slot, or a buffer), or None;
-        ``evict(keep)`` drops one object the client holds to make room."""
+        """Per key of ``request`` its object (a view of its arena slot, or a buffer), or None,
+        and the progress of those still arriving; ``evict(keep)`` drops one object the client
+        holds to make room."""
         n = len(request.keys)
         got: list = [None] * n
+        arriving: list = [None] * n
         arena = self.arena
         if arena is None:
             self._over_socket(request, got, call)
         else:
             keep = set(request.keys)
             bounds = list(request.bounds) or [0] * n
-            refit = self._into_arena(arena, request, range(n), bounds, got, call, keep, evict)
+            refit = self._into_arena(arena, request, range(n), bounds, got, arriving, call, keep, evict)
             if refit:
-                self._into_arena(arena, request, refit, bounds, got, call, keep, evict)
-        return ObjectsAnswer(tuple(got), (True,) * n)  # the shards' host memory: checked as it entered
+                self._into_arena(arena, request, refit, bounds, got, arriving, call, keep, evict)
+        return ObjectsAnswer(tuple(got), (True,) * n, tuple(arriving))  # host memory: checked as it entered
 
     def _reserve(self, arena: Arena, nbytes: int, keep: set, evict: Callable[[set], bool]):
         """A slot, the client dropping held objects (oldest first, not ``keep``) to make room;
@@ -136,9 +142,9 @@ class AgentObjects:
         return slot
 
     def _into_arena(self, arena: Arena, request: ObjectsRequest, todo, bounds: list, got: list,
-                    call: Call, keep: set, evict: Callable[[set], bool]) -> list[int]:
-        """Read ``todo`` (indexes) into arena slots; fills ``got``; the indexes to ask for again
-        (refit: ``bounds`` updated)."""
+                    arriving: list, call: Call, keep: set, evict: Callable[[set], bool]) -> list[int]:
+        """Read ``todo`` (indexes) into arena slots, pipelined when a progress word fits too;
+        fills ``got`` and ``arriving``; the indexes to ask for again (refit: ``bounds`` updated)."""
         slots: dict[int, object] = {}
         for i in todo:
             if bounds[i] <= 0:
@@ -150,25 +156,33 @@ class AgentObjects:
             slots[i] = slot
         if not slots:
             return []
+        word = self._reserve(arena, 8, keep, evict)
+        progress = None if word is None else Progress(word)
+        del word  # the progress holds its slot now
         order = list(slots)
-        state = {"finished": False, "abandoned": False}
+        state = {"finished": False, "abandoned": False, "copying": False}
         lock = threading.Lock()
 
-        def release_all() -> None:
-            for s in slots.values():
-                s.release()
+        def release_all() -> None:  # the agent may still copy into them only if it answered
+            for s in [*slots.values(), *([] if progress is None else [progress.slot])]:
+                if state["copying"] and progress is not None:
+                    arena.give_back_after(s, progress.done)
+                else:
+                    s.release()
 
-        def on_done(_fut) -> None:  # the answer arrived, the call failed, or it was refused
+        def on_done(fut) -> None:  # the answer arrived, the call failed, or it was refused
             with lock:
                 state["finished"] = True
+                state["copying"] = fut is not None and fut.exception() is None
                 free = state["abandoned"]
             if free:
                 release_all()
 
         sub = ObjectsRequest(tuple(request.keys[i] for i in order), request.timeout_s,
-                             slots=tuple((slots[i].offset, slots[i].nbytes) for i in order))
+                             slots=tuple((slots[i].offset, slots[i].nbytes) for i in order),
+                             progress=-1 if progress is None else progress.offset)
         reply = call(sub, on_done)
-        if reply is None:  # no usable answer: the slots wait for the call's end
+        if reply is None:  # no usable answer: the slots wait for the call's end (and its copy)
             with lock:
                 state["abandoned"] = True
                 free = state["finished"]
@@ -179,9 +193,9 @@ class AgentObjects:
         for j, i in enumerate(order):
             slot, w, n = slots[i], answer.where[j], answer.sizes[j]
             if w == "host" and isinstance(n, int) and 0 < n <= slot.nbytes:
-                got[i] = slot.view(n)
+                got[i], arriving[i] = slot.view(n, progress), progress
             else:
-                slot.release()
+                slot.release()  # nothing written there
                 if w == "refit" and isinstance(n, int) and n > slot.nbytes:
                     bounds[i] = n
                     self._count("arena_refits", 1)

@@ -41,7 +41,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from blend.protocols import ChunkMeta, fetch_in_order
-from cluster.cache.headers import HeaderCache, HeaderEntry, HeldObjects, object_bound, own_header
+from cluster.cache.headers import (
+    HeaderCache,
+    HeaderEntry,
+    HeldObjects,
+    arrived,
+    object_bound,
+    own_header,
+)
 from cluster.cache.host_layers import ClientHostLayers
 from cluster.cache.ops import (
     ClearRequest,
@@ -239,9 +246,8 @@ class CacheClient:
         return None
 
     def _remember(self, key: ChunkKey, entry: HeaderEntry) -> None:
-        # A held object stays valid: keys are content-addressed and objects first-wins, so the
-        # KV under a key never changes (its encoding may: objects are sliced with their own
-        # header). A chunk deleted by another process may be served from here until evicted.
+        # keys are content-addressed and objects first-wins: the KV under a key never changes
+        # (its encoding may: objects are sliced with their own header)
         with self._lock:
             self._meta[key] = entry
             self._meta.move_to_end(key)
@@ -314,7 +320,10 @@ class CacheClient:
             t = None
             if h is not None and layer_idx < h[1].num_layers:
                 try:
-                    t = object_layer(h[1], layer_idx, h[0], checked=h[2]).to(self.device)
+                    if not arrived(h, h[1].layers[layer_idx], deadline):
+                        self.count("timeouts")  # still on its way at the deadline: a miss
+                    else:
+                        t = object_layer(h[1], layer_idx, h[0], checked=h[2]).to(self.device)
                 except (FormatError, ValueError) as err:
                     log.debug("layer %d of %s rejected: %s", layer_idx, k, err)
                     self.count("read_errors")
@@ -338,8 +347,9 @@ class CacheClient:
 
     def map_for_read(self, keys: list[ChunkKey]) -> tuple[list[HeaderEntry | None], list[tuple | None]]:
         """Look up unknown keys, then hold the objects of ``keys``: per key its entry (or None)
-        and its held ``(object, own header, checked)`` (or None: a miss, or only a shared tier
-        holds it). The objects not held yet come in one ``objects`` call of the transport;
+        and its held ``(object, own header, checked, progress)`` (or None: a miss, or only a
+        shared tier holds it; ``progress``: :class:`cluster.cache.arena.Progress` of an object
+        still arriving, else None). The objects not held yet come in one ``objects`` call of the transport;
         each is checked against its looked-up header here."""
         keys = list(keys)
         with self._lock:
@@ -356,10 +366,11 @@ class CacheClient:
         answer = t.objects(ObjectsRequest(tuple(keys[i] for i in need), self.fetch_timeout_s,
                                           bounds=tuple(object_bound(entries[i].header) for i in need)))
         got = {}
-        for i, obj, checked in zip(need, answer.objects, answer.checked, strict=True):
+        arriving = answer.arriving or (None,) * len(need)
+        for i, obj, checked, progress in zip(need, answer.objects, answer.checked, arriving, strict=True):
             if obj is not None:
                 try:
-                    got[i] = (obj, own_header(keys[i], entries[i].header, obj), checked)
+                    got[i] = (obj, own_header(keys[i], entries[i].header, obj), checked, progress)
                 except FormatError as err:
                     log.debug("object of %s rejected: %s", keys[i], err)
                     self.count("read_errors")
@@ -378,16 +389,10 @@ class CacheClient:
         own = getattr(self.transports[0], "host_layers", None) if len(self.transports) == 1 else None
         return own() if own is not None else ClientHostLayers(self)
 
-    def use_cuda(self) -> None:
-        """A CUDA worker stages from this client: transports with an arena register it."""
-        for t in self.transports:
-            hook = getattr(t, "use_cuda", None)
-            if hook is not None:
-                hook()
-
-    def device_readable(self, arr) -> bool:
-        """Whether the copy engine reads ``arr`` (a held object) directly (a registered arena)."""
-        return any(getattr(t, "device_readable", lambda a: False)(arr) for t in self.transports)
+    def arena_stats(self) -> dict[str, int] | None:
+        """The cache agent's shared-memory arena (``arena_bytes``, ``arena_used_bytes``,
+        ``arena_peak_bytes``) by this process's own numbers (no call); None without an agent."""
+        return next((t.arenas.stats() for t in self.transports if hasattr(t, "arenas")), None)
 
     # -- KVSink ----------------------------------------------------------------------------------
     def put(self, key: ChunkKey, kv: torch.Tensor, positions: Sequence[int] | None = None) -> None:
@@ -492,3 +497,4 @@ class CacheClient:
 def _check_key(call: str, key: object) -> None:
     if not isinstance(key, ChunkKey):
         raise TypeError(f"{call} expects a ChunkKey, got {type(key).__name__}")
+

@@ -105,7 +105,8 @@ class HeaderCache(SizedLRU):
 
 
 class HeldObjects(SizedLRU):
-    """``key -> (object, its own header, checked)``, its bytes the objects' (uint8 arrays)."""
+    """``key -> (object, its own header, checked, progress)``, its bytes the objects' (uint8
+    arrays)."""
 
     def __init__(self) -> None:
         super().__init__(lambda held: held[0].nbytes)
@@ -151,3 +152,13 @@ def object_bound(header: ChunkHeader) -> int:
     """An upper bound of the bytes of ``header``'s chunk object in any encoding (its layers raw
     or lz4: a tier stores a layer raw when lz4 does not shrink it): what an arena slot reserves."""
     return max(header.total_bytes, header.header_end + header.num_layers * (header.layer_nbytes + 64))
+
+
+def arrived(held: tuple, layer, deadline: float) -> bool:
+    """Whether the bytes of ``layer`` (a :class:`tiers.format.LayerEntry`, or None: the whole
+    object) of ``held`` are in place, waiting for an object still arriving until ``deadline``."""
+    obj, header, _checked, progress = held
+    if progress is None:
+        return True
+    end = obj.nbytes if layer is None else layer.offset + layer.stored_len
+    return progress.wait(end, header.header_end, obj.nbytes, deadline)

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from cluster.cache.headers import arrived
 from tiers.format import CODEC_RAW, ChunkHeader, FormatError, check_payload, decode_layer
 from tiers.keys import ChunkKey
 from tiers.reader import ReadCounters, read_layers
@@ -55,9 +57,13 @@ class ClientHostLayers:
         the looked-up header for a chunk only a shared tier holds, or None."""
         client, keys = self.client, list(keys)
         entries, held = client.map_for_read(keys)
+        deadline = time.monotonic() + client.fetch_timeout_s
         out: list[ChunkHeader | None] = []
         mine: dict[ChunkKey, tuple | None] = {}
         for k, e, h in zip(keys, entries, held, strict=True):
+            if h is not None and not arrived(h, None, deadline):  # staged whole: all of it there
+                h, e = None, None
+                client.count("timeouts")
             if h is not None or (e is not None and client.shared_tiers()):
                 mine[k] = h
             out.append(h[1] if h is not None else e.header if k in mine else None)
@@ -71,16 +77,20 @@ class ClientHostLayers:
             self._held = {}
 
     def use_device(self, device) -> None:
-        """A CUDA staging source reads this: the client registers the memory its objects arrive
-        in with CUDA where it can (the agent's arena)."""
-        self.client.use_cuda()
+        """A CUDA staging source reads this: the memory the client's objects arrive in is
+        registered with CUDA where a transport can (the agent's arena)."""
+        for t in self.client.transports:
+            hook = getattr(t, "use_cuda", None)
+            if hook is not None:
+                hook()
 
     def views_device_readable(self, key: ChunkKey) -> bool:
         """Whether ``key``'s views (from :meth:`layer_views`) lie in memory the copy engine
         reads directly (the agent's registered arena): then they go to the GPU unstaged."""
         with self._lock:
             h = self._held.get(key)
-        return h is not None and h[2] and self.client.device_readable(h[0])
+        return h is not None and h[2] and any(getattr(t, "device_readable", lambda a: False)(h[0])
+                                               for t in self.client.transports)
 
     def layer_views(self, key: ChunkKey, header: ChunkHeader) -> list[np.ndarray] | None:
         """Zero-copy views of a held object's raw layers (checked at the shard); None for an

@@ -95,6 +95,7 @@ _FIELDS = {
     "known": (list, lambda v: _list(v, _flag)),
     "slots": (lambda v: [list(s) for s in v], lambda v: _list(v, _slot)),
     "timeout_s": (float, _seconds),
+    "progress": (int, _int),
     "namespace": (lambda v: v, _namespace),
     "stale": (bool, _flag),
 }
@@ -211,22 +212,29 @@ class ObjectsRequest(_Request):
     """``objects``: the keys, the seconds the caller waits, per key an upper bound of its
     object's bytes (:func:`cluster.cache.headers.object_bound`: what an arena slot reserves;
     empty: unknown) and, over the link, its slot ``(offset, capacity)`` in the caller's arena
-    (empty: no arena, the objects come back as buffers)."""
+    (empty: no arena, the objects come back as buffers); ``progress``: the offset of the
+    call's progress word in the arena (:class:`cluster.cache.arena.Progress`: the agent answers
+    once the headers are written and copies the rest in the background), or -1 (it answers
+    once every object is written)."""
 
     keys: Keys = ()
     timeout_s: float = 0.0
     bounds: tuple[int, ...] = ()
     slots: tuple[tuple[int, int], ...] = ()
+    progress: int = -1
 
 
 @dataclass(frozen=True)
 class ObjectsAnswer:
-    """In this process: per key its whole chunk object (a uint8 array, or None: a miss) and
-    whether every layer of it was checked as it entered host memory (a shard's host tier: its
-    layers are copied unchecked; False: each layer is checked as it is read)."""
+    """In this process: per key its whole chunk object (a uint8 array, or None: a miss), whether
+    every layer of it was checked as it entered host memory (a shard's host tier: its layers
+    are copied unchecked; False: each layer is checked as it is read) and, for an object still
+    arriving, the :class:`cluster.cache.arena.Progress` to wait on before reading past its
+    header (empty, or None per key: all there)."""
 
     objects: tuple[np.ndarray | None, ...]
     checked: tuple[bool, ...]
+    arriving: tuple = ()
 
 
 @dataclass(frozen=True)

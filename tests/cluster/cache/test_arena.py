@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,9 +19,10 @@ import pytest
 import torch
 
 from cluster.cache.agent_objects import AgentObjects
-from cluster.cache.arena import ALIGN, Arena, ArenaWriter
+from cluster.cache.arena import ALIGN, ROUNDS, Arena, ArenaWriter
+from cluster.cache.headers import arrived
 from cluster.cache.ops import SlotsAnswer
-from tests.factories import make_key, make_object, shard_kv
+from tests.factories import HANG_S, make_key, make_object, shard_kv
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +34,7 @@ def _agent_call(arena: Arena, objects: dict, log: list, *, answer=True, oversize
 
     def call(request, on_done):
         log.append(request)
-        where, sizes = [], []
+        where, sizes, items = [], [], []
         for k, (off, cap) in zip(request.keys, request.slots, strict=True):
             obj = objects.get(str(k))
             if obj is None:
@@ -41,9 +44,15 @@ def _agent_call(arena: Arena, objects: dict, log: list, *, answer=True, oversize
                 where.append("refit")
                 sizes.append(len(obj) + (cap if str(k) in oversize else 0))
             else:
-                sizes.append(writer.write(off, cap, obj))
+                items.append((off, cap, obj))
                 where.append("host")
-        fut = SimpleNamespace()
+                sizes.append(len(obj))
+        if request.progress >= 0 and answer:  # pipelined: the headers now, the rest in the background
+            writer.write_progressively(items, request.progress)
+        else:  # whole (a late answer: the test says when its copy is done)
+            writer.write_many(items)
+        fut = Future()  # the call's future, answered
+        fut.set_result(None)
         if not answer:  # the caller's wait ran out: the answer (and on_done) come later
             log.append(lambda: on_done(fut))
             return None
@@ -166,7 +175,7 @@ def test_a_full_arena_is_a_counted_miss_and_a_larger_object_is_refitted(monkeypa
     key, other = make_key(98200), make_key(98201)
     obj = make_object(key, shard_kv(1, num_tokens=64))
     log: list = []
-    client, transport = _client(len(obj) + ALIGN, {str(key): obj, str(other): make_object(other, shard_kv(1, num_tokens=64))}, log)
+    client, transport = _client(len(obj) + 2 * ALIGN, {str(key): obj, str(other): make_object(other, shard_kv(1, num_tokens=64))}, log)
     real = client_mod.object_bound
     monkeypatch.setattr(client_mod, "object_bound",  # key's looked-up bound: too small (re-encoded since)
                         lambda header: 200 if header.key == str(key) else real(header))
@@ -186,7 +195,13 @@ def test_slots_of_a_late_answer_come_back_only_when_the_call_ends():
     client, transport = _client(4 << 20, {str(key): obj}, log, answer=False)
     assert client.fetch_layer([key], 0).result() == [None]
     assert transport.arena.stats()["arena_used_bytes"] > 0  # the agent may still write there
-    log[-1]()  # the answer arrives after the wait
+    log.pop()()  # the answer arrives after the wait: the agent's copy goes on
+    gc.collect()
+    assert transport.arena.stats()["arena_used_bytes"] > 0  # its progress word says not done
+    (request,) = log
+    np.frombuffer(transport.arena._mm, np.uint64, 1, request.progress)[0] = ROUNDS  # copy done
+    log.clear()
+    gc.collect()
     assert transport.arena.stats()["arena_used_bytes"] == 0
     client.close()
 
@@ -225,7 +240,7 @@ def test_concurrent_reads_never_share_a_slot():
                     client.objects.pop(k, None)
             _, held = client.map_for_read(mine)
             for k, got in zip(mine, held, strict=True):
-                if got is None or bytes(got[0]) != objects[str(k)]:
+                if got is None or not arrived(got, None, time.monotonic() + HANG_S) or bytes(got[0]) != objects[str(k)]:
                     errors.append(k)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
@@ -252,3 +267,41 @@ def test_the_agent_writes_objects_into_named_slots_and_says_refit_or_refuses():
                                                                  (arena.nbytes - 10, ALIGN))))
     assert got == {"where": ["host", "refit", None], "sizes": [100, 9000, None]} and buffers == []
     assert bytes(s1.view(100)) == bytes(small) and a.counters["arena_refused"] == 1
+
+
+def test_a_pipelined_object_is_read_as_its_rounds_arrive_and_its_slot_waits_for_the_copy():
+    """Issue 32: the agent answers once the headers are in and copies the rest in rounds; a
+    reader waits (bounded) only for the round that holds what it reads, gives up when the
+    agent is gone, and the slot of an object still being copied is never handed out again."""
+    from cluster.cache.arena import Progress, rounds_for
+    from tiers.format import parse_header
+
+    key = make_key(98700)
+    obj = np.frombuffer(make_object(key, shard_kv(5, num_tokens=64)), np.uint8)
+    header, size = parse_header(obj), obj.nbytes
+    arena = Arena(4 << 20)
+    slot = arena.reserve(size)
+    progress = Progress(arena.reserve(8))
+    view = slot.view(size, progress)
+    pages = np.frombuffer(arena._mm, np.uint8)  # the agent's side: the same pages
+    word = np.frombuffer(arena._mm, np.uint64, 1, progress.offset)
+    pages[slot.offset:slot.offset + header.header_end] = obj[:header.header_end]  # before the answer
+    first = header.layers[0]
+    end = first.offset + first.stored_len
+    now = time.monotonic()
+    assert not progress.wait(end, header.header_end, size, now)  # not there, deadline passed: False at once
+    have = rounds_for(end, header.header_end, size)
+    step = -(-(size - header.header_end) // ROUNDS)
+    stop = min(size, header.header_end + have * step)
+    pages[slot.offset:slot.offset + stop] = obj[:stop]
+    word[0] = have
+    assert progress.wait(end, header.header_end, size, now) and bytes(view[first.offset:end]) == bytes(obj[first.offset:end])
+    assert not progress.wait(size, header.header_end, size, now)  # the rest is still on its way
+    del view
+    gc.collect()
+    assert arena.stats()["arena_used_bytes"] > 0 and arena.reserve(arena.nbytes - 2 * ALIGN) is None  # still copied into
+    word[0] = ROUNDS
+    assert arena.stats()["arena_used_bytes"] == ALIGN  # the object's slot is back; the word's goes with it
+    word[0] = have  # another call still arriving when its agent dies: a waiting reader gives up at once
+    arena.retire()
+    assert not progress.wait(size, header.header_end, size, time.monotonic() + HANG_S)
