@@ -183,21 +183,25 @@ class LookupAnswer:
     unanswered: tuple[int, ...] = ()
 
     def to_wire(self) -> tuple[dict, list]:
-        hits = [None if h is None else {"tier": h.tier, "source": h.source} for h in self.hits]
-        return {"hits": hits, "unanswered": list(self.unanswered)}, [h.header for h in self.hits if h is not None]
+        """One buffer per hit with header bytes (none for the headers the client holds: a
+        lookup of known keys is one small frame, not two reads per key)."""
+        hits = [None if h is None else {"tier": h.tier, "source": h.source, "header": bool(h.header)}
+                for h in self.hits]
+        return {"hits": hits, "unanswered": list(self.unanswered)}, [h.header for h in self.hits if h and h.header]
 
     @classmethod
     def from_wire(cls, value, buffers: list, request: LookupRequest) -> LookupAnswer | None:
-        """The answer ``value`` and ``buffers`` (one header per hit) describe, or None."""
+        """The answer ``value`` and ``buffers`` (one per hit that carries header bytes)
+        describe, or None."""
         try:
             raw, unanswered = value["hits"], tuple(_int(i) for i in value["unanswered"])
             if not isinstance(raw, list) or len(raw) != len(request.keys):
                 return None
-            if sum(h is not None for h in raw) != len(buffers):
+            if sum(h is not None and h["header"] is True for h in raw) != len(buffers):
                 return None
             headers = iter(buffers)
-            hits = tuple(None if h is None else LookupHit(h["tier"], bytes(next(headers)), h["source"])
-                         for h in raw)
+            hits = tuple(None if h is None else LookupHit(h["tier"], bytes(next(headers)) if h["header"] else b"",
+                                                          h["source"]) for h in raw)
         except (TypeError, KeyError, ValueError):
             return None
         if any(not 0 <= i < len(hits) for i in unanswered):

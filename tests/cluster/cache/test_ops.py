@@ -75,12 +75,14 @@ def test_lookup_answers_round_trip_and_malformed_ones_are_misses():
     keys = (make_key(1), make_key(2), make_key(3))
     answer = LookupAnswer((LookupHit("disk", b"header", "shard-0"), None, LookupHit("host", b"", "shard-1")), (1,))
     value, buffers = answer.to_wire()
-    assert buffers == [b"header", b""]
+    assert buffers == [b"header"]  # none for a header the client holds
     assert LookupAnswer.from_wire(value, buffers, LookupRequest(keys)) == answer
-    for bad, bufs in (({**value, "hits": value["hits"][:2]}, buffers), (value, buffers[:1]), (value, buffers + [b"x"]),
+    for bad, bufs in (({**value, "hits": value["hits"][:2]}, buffers), (value, []), (value, buffers + [b"x"]),
                       ({**value, "unanswered": [3]}, buffers), ({**value, "unanswered": ["1"]}, buffers),
-                      ({"hits": [{"tier": 3, "source": ""}, None, None], "unanswered": []}, [b""]),
-                      ({"hits": [{"tier": "host"}, None, None], "unanswered": []}, [b""]), (None, []), ([], [])):
+                      ({"hits": [{"tier": 3, "source": "", "header": True}, None, None], "unanswered": []}, [b"h"]),
+                      ({"hits": [{"tier": "host", "header": False}, None, None], "unanswered": []}, []),
+                      ({"hits": [{"tier": "host", "source": ""}, None, None], "unanswered": []}, []),
+                      (None, []), ([], [])):
         assert LookupAnswer.from_wire(bad, bufs, LookupRequest(keys)) is None, bad
 
 
