@@ -2,7 +2,7 @@ r"""The cache agent's life, seen from the vLLM process: start, loss, back-off, r
 
 :class:`AgentLife` is the part of :class:`cluster.cache.agent_transport.AgentTransport` that keeps
 an agent process (:mod:`cluster.cache.agent`) serving it. An agent is started by the transport's
-constructor (vLLM's start-up waits for it, up to ``start_timeout_s``) and, after one is lost or a
+binding to its client (vLLM's start-up waits for it, up to ``start_timeout_s``) and, after one is lost or a
 start failed, by the next call or the transport's watcher thread, whichever comes first, once the
 back-off is over:
 
@@ -50,7 +50,7 @@ class AgentLife:
 
     def _start_life(self, start_timeout_s: float) -> None:
         """Start the first agent (waiting up to ``start_timeout_s``), then the watcher thread.
-        Called once, at the end of the transport's constructor.
+        Called once, when the transport is bound to its client.
 
         Raises:
             ObjectKeyMissing: the first agent found that the cluster signs its chunk objects and

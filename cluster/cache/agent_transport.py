@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -76,8 +75,8 @@ class AgentTransport(AgentLife):
     Args:
         config: a :class:`cluster.config.KVBlendConfig` (the agent gets every field).
         namespace: chunk namespace digest.
-        start_timeout_s: how long the constructor waits for the first agent (vLLM start-up
-            waits for the cache once; later starts happen in the background).
+        start_timeout_s: how long :meth:`bind` (the client's constructor) waits for the first
+            agent.
 
     Raises:
         ObjectKeyMissing: the first agent found that the cluster signs its chunk objects and
@@ -99,29 +98,23 @@ class AgentTransport(AgentLife):
         self.io_timeout_s, self.stuck_after_s = link_timeouts(config)
         self.arena_bytes = int(config.cluster.agent_arena_gib * 2**30)
         self._lock = threading.Lock()
-        self._early: Counter = Counter()  # counted before a client bound this transport
+        self._start_timeout_s = start_timeout_s
         self._host = None
         #: the shared-memory arena the agent writes objects into
         self.arenas = AgentObjects(self._count, self._drop_held)
-        self._start_life(start_timeout_s)
 
     def bind(self, host) -> None:
-        """The client's counters (those counted while starting the first agent included) and
-        its held objects (dropped to make room in the arena)."""
-        with self._lock:
-            self._host, early, self._early = host, self._early, Counter()
-        for name, n in early.items():
-            host.count(name, n)
+        """The client's counters and held objects (dropped to make room in the arena); then the
+        first agent is started, waited for up to ``start_timeout_s`` (vLLM's start-up waits for
+        the cache once; later starts happen in the background).
+
+        Raises:
+            ObjectKeyMissing: as the class says (the client is not made).
+        """
+        self._host = host
+        self._start_life(self._start_timeout_s)
 
     def _count(self, name: str, n: int = 1) -> None:
-        host = self._host
-        if host is not None:
-            host.count(name, n)
-            return
-        with self._lock:
-            if self._host is None:
-                self._early[name] += n
-                return
         self._host.count(name, n)
 
     def _drop_held(self) -> None:

@@ -10,16 +10,16 @@ bytes read in-process. Here the bytes cross once, by one ``memcpy`` in the agent
     arena slot (memfd pages mapped MAP_SHARED by both processes)
       |  vLLM's process reads the object in place: headers parsed and layers sliced as views;
       v  fetch_layer copies a layer once (the engine may write into what it gets), the CUDA
-         worker's staging copies it into its pinned slot and then onto the GPU
+         worker's staging copies it onto the GPU (the arena registered: no pinned slot)
 
 Pipelined (issue 32: the copy overlaps the reads). The agent copies each object's header into
 its slot, answers, then copies the rest in :data:`ROUNDS` rounds in the background, the same
 share of every object in each round, writing the rounds done into the request's progress word
 (:class:`Progress`, 8 bytes in a slot of their own). A reader waits (:meth:`Progress.wait`, polled
 every :data:`POLL_S`, bounded by its deadline) only for the round that holds the layer it reads,
-so layer 0 is read while later layers are still being copied. Measured with ``kvblend bench
-cluster`` on the 2-core dev VM: a request's 128 MiB took 23 ms to arrive whole, which the reads
-(26 ms) then came after.
+so layer 0 is read while later layers are still being copied (the CUDA worker's staging waits
+for whole objects). Measured with ``kvblend bench cluster`` on the 2-core dev VM, 16 objects of
+8 MiB: the objects call took 23 ms before the reads could start, 7.5 ms pipelined.
 
 Ownership. vLLM's process owns the arena (:class:`Arena`): it creates the memfd, gives it to
 each agent it starts (an inherited file descriptor, named in the hello frame) and reserves a

@@ -15,19 +15,16 @@ Redis/S3 tiers. What differs by medium sits behind :class:`~cluster.cache.ops.Tr
                           MAX_PENDING_PUT_BYTES unsettled (more: the newest is dropped, counted)
     contains, delete, flush, clear, stats   the transport's, as typed answers
 
-The chain: each call goes to the first transport that is ``up`` (the vLLM connector's default:
-the cache agent, then the machine-local cache while the agent is down;
-:func:`cluster.cache.factory.make_client` builds it). A ``ray`` transport is the shards from this
-process, ``local`` a tier in this process; over a transport that is not ``threaded`` (``local``)
-reads run in the caller's thread (``fetch_layers`` returns futures that read when asked), over
-the others on 4 threads of the client.
+The chain: each call goes to the first transport that is ``up`` (the connector's default: the
+cache agent, then the machine-local cache while it is down; :func:`cluster.cache.factory.make_client`).
+Over a transport that is not ``threaded`` (``local``) reads run in the caller's thread, over the
+others on 4 threads of the client.
 
-Failure behaviour: every wait is bounded (lookups by the transport's lookup deadline, object
-reads by ``max(call_timeout_s, load_timeout_s)``: past it no direct read from a shared tier is
-started); a fault — no answer, a malformed one, a dead shard, agent or tier, a lost object,
-a corrupted, truncated or foreign header or layer, a full arena — is a miss (``None``) and a
-counter, never an exception. Only caller mistakes raise (see
-:class:`cluster.cache.protocol.CacheClientProtocol`).
+Failure behaviour: every wait is bounded (lookups by the lookup deadline, object reads by
+``max(call_timeout_s, load_timeout_s)``: past it no direct read is started); a fault — no or a
+malformed answer, a dead shard, agent or tier, a lost, corrupted, truncated or foreign object,
+a full arena — is a miss (``None``) and a counter, never an exception. Only caller mistakes
+raise (:class:`cluster.cache.protocol.CacheClientProtocol`).
 """
 
 from __future__ import annotations
@@ -62,8 +59,8 @@ from cluster.cache.ops import (
     Transport,
 )
 from cluster.cache.puts import PutBound
-from tiers.codec import check_kv, encode_kv, layer_tensor, object_layer
-from tiers.format import FormatError, parse_header
+from tiers.codec import check_kv, encode_kv, layer_tensor, object_layer, raw_layers
+from tiers.format import CODEC_RAW, FormatError, parse_header
 from tiers.keys import ChunkKey
 
 log = logging.getLogger("kvblend.client")
@@ -71,10 +68,9 @@ log = logging.getLogger("kvblend.client")
 #: bytes of chunk headers remembered after lookups (LRU by :func:`cluster.cache.headers.entry_nbytes`,
 #: ~20 KB for 32 layers of 256 tokens; 65536 headers were ~1.2 GiB); a forgotten one costs a parse.
 MAX_CACHED_HEADER_BYTES = 64 << 20
-#: default bytes of whole objects held between requests (an arena holds fewer or more). Several
-#: clients share a node's object store (2 GiB by default): at 1 GiB each, two vLLM workers'
-#: clients filled it and the shard's promotions from disk failed (the demo, 2026-11-29: 3 of 16
-#: requests fell back to full prefill). One request maps ~140 MB here.
+#: default bytes of objects held between requests (an arena holds its size). Clients share a
+#: node's object store (2 GiB by default): at 1 GiB each, two vLLM workers' clients filled it
+#: and promotions failed (the demo, 2026-11-29: 3 of 16 requests fell back). A request maps ~140 MB.
 DEFAULT_MAX_MAPPED_BYTES = 256 << 20
 #: the client's own counters (each transport adds its own: :attr:`Transport.counters`)
 COUNTERS = ("lookups", "hits", "misses", "read_errors", "direct_reads", "timeouts", "puts", "puts_dropped",
@@ -120,10 +116,8 @@ class CacheClient:
         #: cumulative event counts since construction (see :meth:`stats`)
         self.counters = dict.fromkeys(COUNTERS + tuple(c for t in self.transports for c in t.counters), 0)
         self._bound = PutBound(self.count)
-        cluster = getattr(config, "cluster", None)
-        self.timeout_s = getattr(cluster, "call_timeout_s", 2.0)
-        #: one read's deadline: the blend's load_timeout_s (its reader waits no longer) or
-        #: call_timeout_s, whichever is longer
+        self.timeout_s = getattr(getattr(config, "cluster", None), "call_timeout_s", 2.0)
+        #: one read's deadline: the longer of load_timeout_s (the engine waits no longer) and call_timeout_s
         self.fetch_timeout_s = max(self.timeout_s, getattr(getattr(config, "blend", None), "load_timeout_s", 0.0))
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-client", initializer=thread_initializer)
         self._shared: list | None = None if config is not None and any(t.remote for t in self.transports) else []
@@ -145,8 +139,7 @@ class CacheClient:
             self.counters[name] = self.counters.get(name, 0) + n
 
     def evict_oldest(self, keep) -> bool:
-        """Drop the oldest held object whose key is not in ``keep`` (an arena needs its room);
-        False when there is none."""
+        """Drop the oldest held object not of ``keep`` (an arena needs room); False: none left."""
         with self._lock:
             victim = next((k for k in self.objects if k not in keep), None)
             dropped = None if victim is None else self.objects.pop(victim, None)
@@ -157,14 +150,11 @@ class CacheClient:
         """Forget what this client knows of keys whose owner changed (they become misses)."""
         with self._lock:
             moved = [k for k, e in self._meta.items() if e.shard and owner(str(k)) != e.shard]
-            for k in moved:
-                self._meta.pop(k, None)
-                self.objects.pop(k, None)
+        self.forget(moved)
         self.count("placement_moves", len(moved))
 
     def shared_tiers(self) -> list:
-        """The Redis/S3 tiers read directly when a remote transport cannot serve a key (may be
-        empty: no such tier configured, or a chain of local transports)."""
+        """The Redis/S3 tiers read directly when a remote transport cannot serve a key (or none)."""
         if self._shared is None:
             from tiers.lower import shared_tiers
             from tiers.stack import TierStack
@@ -265,8 +255,7 @@ class CacheClient:
                 self.objects.pop(k, None)
 
     def drop_objects(self) -> None:
-        """Drop every held object, keeping the headers (the next read fetches the objects anew:
-        a lost agent's arena, a benchmark's cold read)."""
+        """Drop every held object, keep the headers (a lost agent's arena, a cold benchmark read)."""
         with self._lock:
             dropped, self.objects = self.objects, HeldObjects()
         del dropped
@@ -279,28 +268,31 @@ class CacheClient:
         """
         if layer_idx < 0:
             raise ValueError(f"layer_idx={layer_idx} must be >= 0")
+        if not self.transport.threaded:  # read now, in the caller's thread
+            done: Future = Future()
+            done.set_result(self._fetch(list(keys), layer_idx))
+            return done
         return self.fetch_layers(keys, [layer_idx])[0]
 
     def fetch_layers(self, keys: Sequence[ChunkKey],
                      layer_idxs: Sequence[int]) -> list[Future[list[torch.Tensor | None]]]:
-        """Every layer of ``keys``, in order (:class:`blend.protocols.KVSource`): one of the
-        client's threads reads them (:func:`blend.protocols.fetch_in_order`; the first maps
-        the objects), or, over a local transport, each future reads when first asked.
+        """Every layer of ``keys``, in order (:class:`blend.protocols.KVSource`): one of the client's
+        threads reads them (:func:`blend.protocols.fetch_in_order`), or each future when asked.
 
         Shapes:
             Each result is ``[2, T_i, H, D]`` (K then V) in the stored dtype on ``device``;
-            None where the chunk cannot be read (never looked up and absent, its store died and
-            no shared tier holds it, corrupted, ``layer_idx`` past its last layer).
+            None where the chunk cannot be read (absent, its store died and no shared tier
+            holds it, corrupted, ``layer_idx`` past its last layer).
 
         Raises:
             ValueError: a negative layer index (at the call).
         """
         keys = list(keys)
-        if not self.transport.threaded:
-            if any(i < 0 for i in layer_idxs):
-                raise ValueError(f"layer_idxs {list(layer_idxs)} must be >= 0")
-            return [DeferredRead(lambda i=i: self._fetch(keys, i)) for i in layer_idxs]
-        return fetch_in_order(self._pool.submit, self._fetch, keys, layer_idxs)
+        if self.transport.threaded:
+            return fetch_in_order(self._pool.submit, self._fetch, keys, layer_idxs)
+        if any(i < 0 for i in layer_idxs):
+            raise ValueError(f"layer_idxs {list(layer_idxs)} must be >= 0")
+        return [DeferredRead(lambda i=i: self.fetch_layer(keys, i).result()) for i in layer_idxs]
 
     def _fetch(self, keys: list[ChunkKey], layer_idx: int) -> list[torch.Tensor | None]:
         try:
@@ -311,30 +303,46 @@ class CacheClient:
             return [None] * len(keys)
 
     def _fetch_unsafe(self, keys: list[ChunkKey], layer_idx: int) -> list[torch.Tensor | None]:
-        # one deadline for the whole read (issue 20): past it, direct reads from the shared tiers
-        # (one io_timeout_s each, serial) are not started; those keys are misses (``timeouts``)
+        # one deadline for the whole read (issue 20): past it, no direct read (an io_timeout_s
+        # each, serial) is started, and those keys are misses (``timeouts``)
         deadline = time.monotonic() + self.fetch_timeout_s
         entries, held = self.map_for_read(keys)
-        out: list[torch.Tensor | None] = []
-        for k, e, h in zip(keys, entries, held, strict=True):
-            t = None
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        raw: list[int] = []  # raw layers checked as they entered host memory: copied out at once
+        for i, (k, e, h) in enumerate(zip(keys, entries, held, strict=True)):
             if h is not None and layer_idx < h[1].num_layers:
-                try:
-                    if not arrived(h, h[1].layers[layer_idx], deadline):
-                        self.count("timeouts")  # still on its way at the deadline: a miss
-                    else:
-                        t = object_layer(h[1], layer_idx, h[0], checked=h[2]).to(self.device)
-                except (FormatError, ValueError) as err:
-                    log.debug("layer %d of %s rejected: %s", layer_idx, k, err)
-                    self.count("read_errors")
+                layer = h[1].layers[layer_idx]
+                if not arrived(h, layer, deadline):
+                    self.count("timeouts")  # still on its way at the deadline: a miss
+                elif h[2] and layer.codec == CODEC_RAW:
+                    raw.append(i)
+                else:
+                    out[i] = self._decoded(k, h, layer_idx)
             elif h is None and e is not None and layer_idx < e.header.num_layers and self.shared_tiers():
                 if time.monotonic() < deadline:
-                    t = self._direct_layer(k, e.header, layer_idx)
+                    out[i] = self._direct_layer(k, e.header, layer_idx)
                 else:
                     self.count("timeouts")
-            self.count("layer_reads" if t is not None else "layer_misses")
-            out.append(t)
+        try:
+            for i, t in zip(raw, raw_layers([(held[i][1], layer_idx, held[i][0]) for i in raw]), strict=True):
+                out[i] = t.to(self.device)
+        except FormatError:  # one cut short: each on its own, so only that one is a miss
+            for i in raw:
+                out[i] = self._decoded(keys[i], held[i], layer_idx)
+        hits = sum(t is not None for t in out)
+        self.count("layer_reads", hits)
+        self.count("layer_misses", len(out) - hits)
         return out
+
+    def _decoded(self, key: ChunkKey, held: tuple, layer_idx: int) -> torch.Tensor | None:
+        """One layer of a held object, checked (unless it was as it entered host memory) and
+        decoded; None (``read_errors``) when it fails."""
+        try:
+            return object_layer(held[1], layer_idx, held[0], checked=held[2]).to(self.device)
+        except (FormatError, ValueError) as err:
+            log.debug("layer %d of %s rejected: %s", layer_idx, key, err)
+            self.count("read_errors")
+            return None
 
     def _direct_layer(self, key: ChunkKey, header, layer_idx: int) -> torch.Tensor | None:
         """One layer from the first shared tier with a valid copy (the stack checks it), or None."""
@@ -390,8 +398,7 @@ class CacheClient:
         return own() if own is not None else ClientHostLayers(self)
 
     def arena_stats(self) -> dict[str, int] | None:
-        """The cache agent's shared-memory arena (``arena_bytes``, ``arena_used_bytes``,
-        ``arena_peak_bytes``) by this process's own numbers (no call); None without an agent."""
+        """The agent's arena: ``arena_bytes``, ``arena_used_bytes``, ``arena_peak_bytes`` (or None)."""
         return next((t.arenas.stats() for t in self.transports if hasattr(t, "arenas")), None)
 
     # -- KVSink ----------------------------------------------------------------------------------
@@ -441,8 +448,7 @@ class CacheClient:
             done()
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait up to ``timeout_s`` for the pending puts and the shards' writes to lower tiers
-        (:meth:`cluster.cache.puts.ShardWriter.flush` says exactly when it returns False)."""
+        """Wait up to ``timeout_s`` for pending puts and write-downs (:meth:`~cluster.cache.puts.ShardWriter.flush`)."""
         return bool(self.transport.flush(FlushRequest(float(timeout_s))))
 
     # -- administration --------------------------------------------------------------------------
@@ -453,8 +459,7 @@ class CacheClient:
         return list(got) if got is not None else [False] * len(keys)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        """Delete keys from every tier holding them (shared tiers too); how many existed (where
-        answered)."""
+        """Delete keys from every tier holding them; how many existed (where answered)."""
         keys = tuple(keys)
         self.forget(keys)
         return self.transport.delete(KeysRequest(keys)) or 0
@@ -471,13 +476,9 @@ class CacheClient:
         return serving.clear(request) or 0
 
     def stats(self) -> dict:
-        """``{'client': {counter: count}, ...}``: ``client`` holds cumulative event counts since
-        construction (:data:`COUNTERS` and each transport's: keys looked up / hit / missed,
-        layers read / missed, puts sent / dropped / failed, corrupted objects, reads served by
-        a shared tier directly, shard errors and timeouts, the agent's starts and exits, ...);
-        each transport adds what describes its store (``'shards'``: every shard's
-        :meth:`cluster.cache.shard.CacheShard.stats`; ``'tiers'``: a local tier's; ``'arena'``
-        and ``'agent'``: the cache agent's). JSON-able."""
+        """``{'client': cumulative counts of :data:`COUNTERS` and each transport's, ...}`` and
+        what each transport says of its store (``'shards'``, ``'tiers'``, ``'arena'``,
+        ``'agent'``: :meth:`cluster.cache.protocol.CacheClientProtocol.stats`). JSON-able."""
         out: dict = {}
         for t in reversed(self.transports):  # the first transport's entries win
             out.update(t.stats(StatsRequest()))
@@ -486,8 +487,7 @@ class CacheClient:
         return out
 
     def close(self) -> None:
-        """Stop the fetch threads, cancelling queued fetches, and close the transports this
-        client owns (puts already sent keep running on the shards)."""
+        """Stop the fetch threads (queued fetches cancelled) and close the transports it owns."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         for t in self.transports:
             if t not in self._borrowed:
