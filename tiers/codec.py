@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from tiers.format import CODEC_RAW, ChunkHeader, FormatError, decode_layer, encode_chunk
+from tiers.format import ChunkHeader, decode_layer, encode_chunk
 from tiers.keys import ChunkKey
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -96,38 +95,3 @@ def object_layer(header: ChunkHeader, layer_idx: int, obj, *, checked: bool) -> 
     # dev VM, where torch's clone into its own allocation ran at 1-3 GB/s (page faults; #32)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(TORCH_DTYPES[header.dtype]).view(
         header.layer_shape)
-
-
-def raw_layers(parts: Sequence[tuple[ChunkHeader, int, object]]) -> list[torch.Tensor]:
-    """One raw layer of each of several objects, copied out together: what a client reads for
-    one layer of a request's chunks held in host memory (their layers checked as they entered
-    it, as :func:`object_layer` with ``checked``), with one allocation for all of them.
-
-    Args:
-        parts: ``(header, layer_idx, obj)`` per chunk: ``obj``'s own header, a layer whose
-            codec is raw, the object's bytes (any buffer).
-
-    Returns:
-        Per part ``[2, T_i, H, D]`` in its stored dtype on the CPU: disjoint views of one new
-        buffer (a write into one changes nothing else). One ``np.copyto`` each, no Python per
-        byte and no tensor per chunk before the split: 16 layers of 256 KiB cost ~18 us each
-        through :func:`object_layer`, mostly tensor creation (dev VM, #32).
-
-    Raises:
-        FormatError: a layer that is not raw, or an object shorter than its header says.
-    """
-    sizes = []
-    for header, layer_idx, obj in parts:
-        e = header.layers[layer_idx]
-        if e.codec != CODEC_RAW or memoryview(obj).nbytes < e.offset + e.stored_len:
-            raise FormatError(f"layer {layer_idx} of {header.key}: not a whole raw layer")
-        sizes.append(e.stored_len)
-    buf = np.empty(sum(sizes), dtype=np.uint8)
-    at = 0
-    for (header, layer_idx, obj), n in zip(parts, sizes, strict=True):
-        e = header.layers[layer_idx]
-        np.copyto(buf[at:at + n], np.frombuffer(obj, dtype=np.uint8, count=n, offset=e.offset))
-        at += n
-    flat = torch.from_numpy(buf)
-    return [t.view(TORCH_DTYPES[h.dtype]).view(h.layer_shape)
-            for t, (h, _l, _o) in zip(torch.split(flat, sizes), parts, strict=True)]

@@ -59,8 +59,8 @@ from cluster.cache.ops import (
     Transport,
 )
 from cluster.cache.puts import PutBound
-from tiers.codec import check_kv, encode_kv, layer_tensor, object_layer, raw_layers
-from tiers.format import CODEC_RAW, FormatError, parse_header
+from tiers.codec import check_kv, encode_kv, layer_tensor, object_layer
+from tiers.format import FormatError, parse_header
 from tiers.keys import ChunkKey
 
 log = logging.getLogger("kvblend.client")
@@ -308,35 +308,25 @@ class CacheClient:
         deadline = time.monotonic() + self.fetch_timeout_s
         entries, held = self.map_for_read(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
-        raw: list[int] = []  # raw layers checked as they entered host memory: copied out at once
         for i, (k, e, h) in enumerate(zip(keys, entries, held, strict=True)):
             if h is not None and layer_idx < h[1].num_layers:
-                layer = h[1].layers[layer_idx]
-                if not arrived(h, layer, deadline):
-                    self.count("timeouts")  # still on its way at the deadline: a miss
-                elif h[2] and layer.codec == CODEC_RAW:
-                    raw.append(i)
-                else:
+                if arrived(h, h[1].layers[layer_idx], deadline):
                     out[i] = self._decoded(k, h, layer_idx)
+                else:
+                    self.count("timeouts")  # still on its way at the deadline: a miss
             elif h is None and e is not None and layer_idx < e.header.num_layers and self.shared_tiers():
                 if time.monotonic() < deadline:
                     out[i] = self._direct_layer(k, e.header, layer_idx)
                 else:
                     self.count("timeouts")
-        try:
-            for i, t in zip(raw, raw_layers([(held[i][1], layer_idx, held[i][0]) for i in raw]), strict=True):
-                out[i] = t.to(self.device)
-        except FormatError:  # one cut short: each on its own, so only that one is a miss
-            for i in raw:
-                out[i] = self._decoded(keys[i], held[i], layer_idx)
         hits = sum(t is not None for t in out)
         self.count("layer_reads", hits)
         self.count("layer_misses", len(out) - hits)
         return out
 
     def _decoded(self, key: ChunkKey, held: tuple, layer_idx: int) -> torch.Tensor | None:
-        """One layer of a held object, checked (unless it was as it entered host memory) and
-        decoded; None (``read_errors``) when it fails."""
+        """One layer of a held object, checked (unless it was as it entered host memory),
+        decoded and copied out; None (``read_errors``) when it fails."""
         try:
             return object_layer(held[1], layer_idx, held[0], checked=held[2]).to(self.device)
         except (FormatError, ValueError) as err:
