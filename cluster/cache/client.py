@@ -112,7 +112,7 @@ class CacheClient:
         self._borrowed = tuple(borrowed)
         self._lock = threading.Lock()
         self._meta = HeaderCache()          # ChunkKey -> HeaderEntry, oldest first
-        self.objects = HeldObjects()        # ChunkKey -> (object, its own header, checked)
+        self.objects = HeldObjects()        # ChunkKey -> (object, own header, checked, progress)
         #: cumulative event counts since construction (see :meth:`stats`)
         self.counters = dict.fromkeys(COUNTERS + tuple(c for t in self.transports for c in t.counters), 0)
         self._bound = PutBound(self.count)
