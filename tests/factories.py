@@ -338,11 +338,13 @@ def ray_free_shard(monkeypatch, tmp_path, cfg):
     return s
 
 
-def ray_free_client(monkeypatch, cfg):
-    """A real :class:`cluster.cache.client.CacheClient` without Ray: its connection, shard
-    router (no shards) and writer are stand-ins; headers, mapping and reads are the real
-    ones. The caller closes it."""
+def ray_free_client(monkeypatch, cfg, router=None):
+    """A real :class:`cluster.cache.client.CacheClient` over a real
+    :class:`~cluster.cache.ray_transport.RayTransport` without Ray: the connection, the shard
+    router (``router``, else one with no shards) and the writer are stand-ins; headers, objects
+    and reads are the real ones. The caller closes it."""
     from cluster.cache import client as client_mod
+    from cluster.cache import ray_transport
 
     class NoShards:
         def __init__(self, *args) -> None:
@@ -351,9 +353,15 @@ def ray_free_client(monkeypatch, cfg):
         def refresh(self, force: bool = False) -> None:
             pass
 
-    monkeypatch.setattr(client_mod, "connect", lambda cluster: object())
-    monkeypatch.setattr(client_mod, "ShardRouter", NoShards)
-    monkeypatch.setattr(client_mod, "ShardWriter", lambda router, count: None)
+        def groups(self, keys):
+            return {}
+
+        def call(self, groups, method, args_for, timeout_s=None, late=None):
+            return {}
+
+    monkeypatch.setattr(ray_transport, "connect", lambda cluster: object())
+    monkeypatch.setattr(ray_transport, "ShardRouter", lambda *args: router or NoShards())
+    monkeypatch.setattr(ray_transport, "ShardWriter", lambda router, count: None)
     return client_mod.CacheClient(cfg)
 
 
@@ -368,3 +376,18 @@ def stop_shard(s) -> None:
     if getattr(s, "_disk_lock", None) is not None:  # its disk directory's flock
         os.close(s._disk_lock)
         s._disk_lock = None
+
+
+def sibling_client(client):
+    """Another client over the same store as ``client`` (another replica's: nothing looked up,
+    nothing held): over its shards from this process or through an agent of its own; over the
+    same tier for a local one (that tier stays ``client``'s to close). The caller closes it."""
+    from cluster.cache.client import CacheClient
+    from cluster.cache.factory import agent_client
+
+    first = client.transports[0]
+    if first.name == "ray":
+        return CacheClient(client.config, client.namespace)
+    if first.name == "agent":
+        return agent_client(client.config, client.namespace)
+    return CacheClient(None, transports=client.transports, borrowed=client.transports)

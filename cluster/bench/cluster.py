@@ -212,15 +212,15 @@ def _agent_row(cfg, client, keys: list, num_layers: int, reps: int, nbytes: int,
         t_agent, t_driver = [], []
         # one untimed pass each first: the agent's arena pages are faulted in on their first use
         # (once per agent: ~1 s per 128 MiB on this VM; registered, hence resident, on CUDA)
-        for c, objects in ((agent, agent.objects.forget), (client, client._objects.clear)):
-            objects()
+        for c in (agent, client):
+            c.drop_objects()
             c.lookup(keys)
             _read_all_layers(c, keys, num_layers)
         for _ in range(max(reps, 7)):  # medians of >= 7 passes
-            agent.objects.forget()
+            agent.drop_objects()
             agent.lookup(keys)
             t_agent.append(_read_all_layers(agent, keys, num_layers))
-            client._objects.clear()
+            client.drop_objects()
             client.lookup(keys)
             t_driver.append(_read_all_layers(client, keys, num_layers))
     finally:
@@ -276,12 +276,12 @@ def _read_gbps(client, direct, headers: dict, keys: list, num_layers: int, reps:
     cold, warm, base, s_ray, s_local = [], [], [], [], []
     try:
         for _ in range(reps):
-            client._objects.clear()
+            client.drop_objects()
             client.lookup(keys)  # fresh refs, as a request would
             cold.append(_read_all_layers(client, keys, num_layers))
             warm.append(_read_all_layers(client, keys, num_layers))
             base.append(_direct_all_layers(direct, keys, headers, num_layers))
-            client._objects.clear()
+            client.drop_objects()
             client.lookup(keys)
             s_ray.append(_read_all_layers(staged_ray, keys, num_layers))
             s_local.append(_read_all_layers(staged_local, keys, num_layers))
@@ -312,7 +312,7 @@ def _store_chunks(client, local: set[str], num_shards: int, shape: dict, g):
     while len(same) < NUM_SEGMENTS or (num_shards > 1 and len(cross) < NUM_SEGMENTS):
         key = segment_key(NAMESPACE, [num_shards, i])
         i += 1
-        is_local = client.router.placement.owner(str(key)) in local
+        is_local = client.transport.router.placement.owner(str(key)) in local
         bucket = same if is_local else cross
         if len(bucket) >= NUM_SEGMENTS:
             continue

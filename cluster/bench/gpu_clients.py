@@ -161,11 +161,7 @@ def _pool(bench, size: int) -> list:
 
 def _drop(client, source) -> None:
     """A cold pass: the client's object cache and the staging source's mapped objects dropped."""
-    objects = getattr(client, "objects", None)
-    if objects is not None:  # the agent client
-        objects.forget()
-    elif hasattr(client, "_objects"):  # the in-process Ray client
-        client._objects.clear()  # noqa: SLF001 - bench only: a cold read, as kvblend bench cluster does
+    client.drop_objects()  # a cold read, as kvblend bench cluster does
     forget = getattr(getattr(source.reader, "layers", None), "forget", None)
     if forget is not None:
         forget()

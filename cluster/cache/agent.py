@@ -4,35 +4,34 @@ Why a separate process (issue 18): a Ray driver does not outlive its cluster. Wh
 stays unreachable for ``gcs_rpc_server_reconnect_timeout_s`` (60 s by default) Ray exits the
 driver's process, and when a restarted head answers with a new cluster id the driver aborts
 (``WrongClusterID``, checked with Ray 2.60). Inside vLLM either one kills the engine. So
-the vLLM connector's :class:`~cluster.cache.agent_client.AgentClient` starts this process,
+the vLLM connector's :class:`~cluster.cache.agent_transport.AgentTransport` starts this process,
 talks to it over a Unix socket (:mod:`cluster.cache.wire`: JSON plus raw KV buffers, never
 pickle), and when it exits — Ray killed it, or it crashed — serves misses (full prefill,
 counted) and starts a new one once the head answers again.
 
-Run by :class:`AgentClient` only, as ``python -I -c <boot> <package root> <socket fd>``
+Run by :class:`AgentTransport` only, as ``python -I -c <boot> <package root> <socket fd>``
 (:func:`main`). The first frame is ``{"op": "hello", "config": {field: value}, "namespace":
 digest, "io_timeout_s", "shards_wait_s"}``; the answer is ``{"ok": true, "pid", "shards"}``, or
 ``{"ok": false, "why"}`` and exit (Ray unreachable, or no shards registered within
 ``shards_wait_s``, at most :data:`SHARDS_WAIT_MAX_S`). Then every request ``{"id", "op", ...}`` gets
 one answer ``{"id", "ok", "result"}`` (or ``"error"``), computed on one of :data:`WORKERS`
-threads so a slow fetch never delays a lookup, and a heartbeat ``{"beat": n}`` goes out every
+threads (its op's lane) so a slow fetch never delays a lookup, and a heartbeat ``{"beat": n}`` goes out every
 :data:`cluster.cache.wire.BEAT_S` (the client takes silence for a stuck agent). End of stream
 (the vLLM process exited), a frame the wire refuses, a send that does not finish within
 ``io_timeout_s`` (the vLLM process stopped reading) or any other failure of the serve loop ends
 the agent at once.
 
-Operations (:data:`cluster.cache.agent_ops.OPS` declares each once, with its lane; ``op_<name>``
-answers it): ``lookup``, ``objects`` (each object written into the slot of the vLLM process's
-arena that the request names, or without an arena sent as a buffer; the agent holds a mapped
-one zero-copy from the node's object store and that write is the only copy; one only Redis or
-S3 still holds (owner shard dead) is read whole, at most the size its known header gives, and
-handed over only when its header and every layer pass their checks, tags included when a key
-is set), ``contains``, ``delete``, ``clear`` (a namespace on every shard), ``put`` (one chunk
-object encoded in the vLLM process, forwarded to its owner as it came), ``flush``, ``stats``
-(the client's statistics, ``heap_trims`` and ``shared_rejected``).
+Operations: :data:`cluster.cache.ops.OPS` declares each once (its request and answer types,
+its lane); the agent reads each request with its type's ``from_wire`` and hands it to its
+:class:`~cluster.cache.ray_transport.RayTransport` (the one transport to the shards; no client
+of its own: the headers, objects and checks are the vLLM process's client's). Two ops do more
+here: ``objects`` writes each object the transport maps (zero-copy from the node's object
+store) into the slot of the vLLM process's arena that the request names — the only copy — or,
+without an arena, sends it as a buffer; ``put`` forwards the chunk object encoded in the vLLM
+process as it came, and answers once the shard's put settled (stored or refused).
 
-Memory: each ``put`` frame's buffer (a chunk object) (and an ``objects`` answer read from a shared tier rather
-than mapped) is a few MiB of heap, freed once answered; glibc keeps such freed blocks (while a
+Memory: each ``put`` frame's buffer (a chunk object) is a few MiB of heap, freed once handed to
+Ray; glibc keeps such freed blocks (while a
 stopped shard holds puts they pile up), so after answering one of those the agent asks its
 :class:`~cluster.heap.HeapTrimmer` to hand freed heap back (at most every 5 s, and once more
 when the agent goes idle; :mod:`cluster.heap` has the measurement).
@@ -46,9 +45,10 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from cluster.cache.agent_ops import OPS, LookupHit, ObjectsAnswer
+from cluster.cache.ops import OPS, SlotsAnswer
 from cluster.cache.wire import (
     BEAT_S,
     MAX_BUFFER_BYTES,
@@ -82,23 +82,37 @@ def _all_cpus() -> None:
 
 
 class Agent:
-    """Serves one vLLM process's cache calls over ``sock`` with a Ray :class:`CacheClient`."""
+    """Serves one vLLM process's cache ops over ``sock`` with a :class:`RayTransport`."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.send_lock = threading.Lock()
-        self.client = None
+        self.transport = None
+        #: the agent's own counts: its transport's (shard_errors, put_errors, ...) and the
+        #: objects over what the vLLM side accepts, answered as misses (``answers_oversized``)
+        self.counters: Counter = Counter()
         self.heap_trims = 0
-        self.shared_rejected = 0  # objects from Redis/S3 refused (over their size, failed checks)
-        self.answers_oversized = 0  # objects over what the vLLM side accepts, answered as misses
         self.max_buffer_bytes = MAX_BUFFER_BYTES
         self.max_frame_bytes = MAX_FRAME_BYTES
         self.arena = None  # an ArenaWriter over the vLLM process's shared memory, when it sent one
-        self.arena_refused = 0  # slots named outside the arena
         self.heap = HeapTrimmer(on_trim=self._trimmed)
         self._done = threading.Event()
-        #: op name -> its handler ``op_<name>(keys, message, buffers) -> (result, buffers)``
-        self.handlers = {name: getattr(self, f"op_{name}") for name in OPS}
+        #: op name -> its handler ``(request) -> answer`` (its JSON result and buffers, or a
+        #: Future of them): the transport's method of that name, but where this class has its own
+        self.handlers = {name: getattr(self, f"op_{name}", None) or self._forward(name) for name in OPS}
+
+    # -- the transport's host: counters, nothing held here -------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def evict_oldest(self, keep) -> bool:
+        return False
+
+    def drop_objects(self) -> None:
+        """Nothing: the agent holds no object beyond a request."""
+
+    def placement_changed(self, owner) -> None:
+        """Nothing: the vLLM process's client learns each key's owner with its next lookup."""
 
     def _trimmed(self, seconds: float) -> None:
         self.heap_trims += 1
@@ -152,9 +166,10 @@ class Agent:
             if not shards:
                 self.send({"ok": False, "why": f"no cache shards in Ray namespace {config.cluster.ray_namespace!r}"})
                 return False
-            from cluster.cache.client import CacheClient
+            from cluster.cache.ray_transport import RayTransport
 
-            self.client = CacheClient(config, message.get("namespace"))
+            self.transport = RayTransport(config, max_mapped_bytes=0)  # holds nothing beyond a request
+            self.transport.bind(self)
         except Exception as e:  # noqa: BLE001 - reported to the vLLM process, which falls back
             self.send({"ok": False, "why": f"{type(e).__name__}: {e}"})
             return False
@@ -212,13 +227,30 @@ class Agent:
                 self.broken(f"heartbeat: {type(e).__name__}: {e}")
 
     def answer(self, message: dict, buffers: list) -> None:
+        """Run one request and send its answer (at once, or when a put settles)."""
         rid = message.get("id")
         try:
-            result, out = self.run(message, buffers)
-            reply = {"id": rid, "ok": True, "result": result}
+            got = self.run(message, buffers)
         except Exception as e:  # noqa: BLE001 - the caller counts it and serves a miss
             log.debug("agent op %s failed: %r", message.get("op"), e)
-            reply, out = {"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"}, ()
+            got = e
+        # free the frame's buffers now (the pool's work item holds the list until this returns)
+        buffers.clear()
+        if isinstance(got, Future):
+            got.add_done_callback(lambda f: self._reply(rid, f.result()))
+        else:
+            self._reply(rid, got)
+        del got
+        op = OPS.get(message.get("op"))
+        if op is not None and op.buffers:
+            self.heap.request()
+
+    def _reply(self, rid, got) -> None:
+        """Send ``got`` — ``(result, buffers)``, or the exception the request raised."""
+        if isinstance(got, Exception):
+            reply, out = {"id": rid, "ok": False, "error": f"{type(got).__name__}: {got}"}, ()
+        else:
+            reply, out = {"id": rid, "ok": True, "result": got[0]}, got[1]
         try:
             self.send(reply, out)
         except OSError as e:
@@ -229,140 +261,83 @@ class Agent:
                 self.send({"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"})
             except Exception as e2:  # noqa: BLE001 - the link is no use any more
                 self.broken(f"{type(e2).__name__}: {e2}")
-        # free the frame's buffers now (the pool's work item holds the list until this returns)
-        buffers.clear()
-        del out
+
+    def run(self, message: dict, buffers: list):
+        """``(result, answer buffers)`` of one request, or a Future of them: its op's handler.
+
+        Raises:
+            ValueError: an op :data:`OPS` does not declare, or a malformed request.
+        """
         op = OPS.get(message.get("op"))
-        if op is not None and op.buffers:
-            self.heap.request()
-
-    def run(self, message: dict, buffers: list) -> tuple[object, list]:
-        """``(result, answer buffers)`` of one request: its op's handler (:data:`OPS`)."""
-        from tiers.keys import ChunkKey
-
-        handler = self.handlers.get(message.get("op"))
-        if handler is None:
+        if op is None:
             raise ValueError(f"unknown agent op {message.get('op')!r}")
-        return handler([ChunkKey.parse(k) for k in message.get("keys", ())], message, buffers)
+        return self.handlers[op.name](op.request.from_wire(message, buffers))
 
-    # -- the operations (cluster.cache.agent_ops.OPS says what each takes and answers) ---------
-    def op_lookup(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
-        from tiers.format import positions_to_runs
+    def _forward(self, name: str):
+        """The handler of an op the transport answers as it is (a JSON-able result)."""
+        def handler(request):
+            answer = getattr(self.transport, name)(request)
+            return (list(answer) if isinstance(answer, tuple) else answer), []
+        return handler
 
-        metas = self.client.lookup(keys)
-        return [None if m is None else LookupHit(m.num_tokens, tuple(map(tuple, positions_to_runs(m.positions))),
-                                                 m.tier, object_bound(self.client.header(k))).to_wire()
-                for k, m in zip(keys, metas, strict=True)], []
+    # -- the ops this side does more for (cluster.cache.ops.OPS says what each takes) -----------
+    def op_lookup(self, request):
+        return self.transport.lookup(request).to_wire()
 
-    def op_objects(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
-        if "slots" in message:
-            return self.objects_into_arena(keys, message["slots"]).to_wire(), []
-        entries, arrays = self.client.map_for_read(keys)
-        objects = [None if a is None else a[0] for a in arrays]
-        where = [None if o is None else "host" for o in objects]
-        total = 0
-        for i, (e, obj) in enumerate(zip(entries, objects, strict=True)):
-            if e is not None and obj is None:  # owner dead: a shared tier may hold it
-                objects[i] = self.shared_object(keys[i], e.header)
-                where[i] = None if objects[i] is None else "shared"
-            n = 0 if objects[i] is None else memoryview(objects[i]).nbytes
-            if n and (n > self.max_buffer_bytes or total + n > self.max_frame_bytes):
-                objects[i] = where[i] = None  # the vLLM side would refuse the frame: a miss
-                self.answers_oversized += 1
-            total += n if objects[i] is not None else 0
-        answer = ObjectsAnswer(tuple(where), (None,) * len(where))
-        return answer.to_wire(), [o for o in objects if o is not None]
+    def op_stats(self, request):
+        agent = {**self.counters, "heap_trims": self.heap_trims}
+        return {**self.transport.stats(request), "agent": agent}, []
 
-    def op_contains(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
-        return self.client.contains(keys), []
-
-    def op_stats(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
-        return {**self.client.stats(), "heap_trims": self.heap_trims, "shared_rejected": self.shared_rejected,
-                "answers_oversized": self.answers_oversized, "arena_refused": self.arena_refused}, []
-
-    def op_put(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
+    def op_put(self, request) -> Future:
         """One chunk object, encoded once in vLLM's process, forwarded as it came (the owner
-        shard validates it before storing)."""
-        if len(keys) != 1 or len(buffers) != 1:
-            raise ValueError("a put carries one key and one object")
-        self.client.put_object(keys[0], buffers[0])
-        return None, []
+        shard validates it before storing); answered once that put settled."""
+        answer: Future = Future()
+        if not self.transport.put(request, lambda stored: answer.set_result((bool(stored), []))):
+            answer.set_result((False, []))
+        return answer
 
-    def op_flush(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
-        return self.client.flush(float(message["timeout_s"])), []
-
-    def op_delete(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
-        return self.client.delete(keys), []
-
-    def op_clear(self, keys: list, message: dict, buffers: list) -> tuple[object, list]:
-        return self.client.clear(message.get("namespace")), []
-
-    def objects_into_arena(self, keys: list, slots: list) -> ObjectsAnswer:
-        """Each key's object written into its slot ``[offset, capacity]`` of the arena
-        (``refit``: the object is larger than its slot, ``sizes`` says how large; nothing
-        written)."""
-        if self.arena is None or not isinstance(slots, list) or len(slots) != len(keys):
-            raise ValueError("objects into an arena: no arena, or not one slot per key")
-        entries, arrays = self.client.map_for_read(keys)
-        where: list = [None] * len(keys)
-        sizes: list = [None] * len(keys)
-        todo: list[tuple[int, str, object]] = []
-        for i, (e, a) in enumerate(zip(entries, arrays, strict=True)):
-            obj, kind = (a[0], "host") if a is not None else (None, None)
-            if obj is None and e is not None:  # owner dead: a shared tier may hold it
-                obj, kind = self.shared_object(keys[i], e.header), "shared"
+    def op_objects(self, request):
+        """The mapped objects of the keys: written into their arena slots (``refit``: larger
+        than its slot, nothing written; with a progress word, answered once their headers are
+        written, the rest copied in the background), or without slots sent as buffers (an
+        object over what the vLLM side accepts is answered as a miss)."""
+        objects = self.transport.objects(request).objects
+        n = len(request.keys)
+        where: list = [None] * n
+        sizes: list = [None] * n
+        if not request.slots:
+            out, total = [], 0
+            for i, obj in enumerate(objects):
+                size = 0 if obj is None else memoryview(obj).nbytes
+                if size and (size > self.max_buffer_bytes or total + size > self.max_frame_bytes):
+                    self.counters["answers_oversized"] += 1  # the vLLM side would refuse the frame
+                elif size:
+                    where[i], total = "host", total + size
+                    out.append(obj)
+            return SlotsAnswer(tuple(where), tuple(sizes)).to_wire()[0], out
+        if self.arena is None:
+            raise ValueError("objects into an arena: no arena here")
+        todo = []
+        for i, obj in enumerate(objects):
             if obj is None:
                 continue
-            n, slot = memoryview(obj).nbytes, slots[i]
-            if not (isinstance(slot, list) and len(slot) == 2):
-                self.arena_refused += 1
-            elif isinstance(slot[1], int) and n > slot[1]:
-                where[i], sizes[i] = "refit", n
-            else:
-                todo.append((i, kind, obj))
-        good = []
-        for i, kind, obj in todo:  # slots outside the arena are refused here, nothing written
-            try:
-                self.arena.target(slots[i][0], slots[i][1], obj)
-                good.append((i, kind, obj))
+            offset, capacity = request.slots[i]
+            size = memoryview(obj).nbytes
+            if size > capacity:
+                where[i], sizes[i] = "refit", size
+                continue
+            try:  # slots outside the arena are refused here, nothing written
+                self.arena.target(offset, capacity, obj)
+                todo.append(i)
             except ValueError as err:
-                log.debug("arena slot for %s refused: %s", keys[i], err)
-                self.arena_refused += 1
-        written = self.arena.write_many([(slots[i][0], slots[i][1], obj) for i, _k, obj in good])
-        for (i, kind, _obj), n in zip(good, written, strict=True):
-            where[i], sizes[i] = kind, n
-        return ObjectsAnswer(tuple(where), tuple(sizes))
-
-    def shared_object(self, key, header) -> bytes | None:
-        """``key``'s whole object from the first shared tier that holds a valid one: read only
-        when it is no longer than ``header`` (the one looked up) says, and checked whole —
-        header, and every layer's checksum, or tag when a key is set — before it goes to the
-        vLLM process. None otherwise (counted in ``shared_rejected``)."""
-        from tiers.format import FormatError
-        from tiers.reader import validate_object
-
-        for tier in self.client.shared_tiers():
-            obj = tier.get(key, max_bytes=header.total_bytes)
-            if obj is None:
-                continue
-            try:
-                validate_object(obj, key)
-            except FormatError as err:
-                log.debug("object of %s from %s rejected: %s", key, getattr(tier, "name", "?"), err)
-                self.shared_rejected += 1
-                continue
-            self.client.count("direct_reads")
-            return obj
-        return None
-
-
-
-def object_bound(header) -> int:
-    """An upper bound of the bytes of ``header``'s chunk object in any encoding (its
-    layers raw or lz4): what the vLLM side reserves in its arena (0: unknown)."""
-    if header is None:
-        return 0
-    return max(header.total_bytes, header.header_end + header.num_layers * (header.layer_nbytes + 64))
+                log.debug("arena slot for %s refused: %s", request.keys[i], err)
+                self.counters["arena_refused"] += 1
+        items = [(*request.slots[i], objects[i]) for i in todo]
+        written = (self.arena.write_progressively(items, request.progress) if request.progress >= 0
+                   else self.arena.write_many(items))
+        for i, nbytes in zip(todo, written, strict=True):
+            where[i], sizes[i] = "host", nbytes
+        return SlotsAnswer(tuple(where), tuple(sizes)).to_wire()[0], []
 
 
 def main(argv: list[str]) -> int:

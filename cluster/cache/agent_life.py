@@ -1,9 +1,9 @@
 r"""The cache agent's life, seen from the vLLM process: start, loss, back-off, reconnect.
 
-:class:`AgentLife` is the part of :class:`cluster.cache.agent_client.AgentClient` that keeps an
-agent process (:mod:`cluster.cache.agent`) serving it. An agent is started by the client's
-constructor (vLLM's start-up waits for it, up to ``start_timeout_s``) and, after one is lost or a
-start failed, by the next call or the client's watcher thread, whichever comes first, once the
+:class:`AgentLife` is the part of :class:`cluster.cache.agent_transport.AgentTransport` that keeps
+an agent process (:mod:`cluster.cache.agent`) serving it. An agent is started by the transport's
+binding to its client (vLLM's start-up waits for it, up to ``start_timeout_s``) and, after one is lost or a
+start failed, by the next call or the transport's watcher thread, whichever comes first, once the
 back-off is over:
 
 * one TCP connect to the Ray address first (no Ray import); unreachable, it is tried again
@@ -16,9 +16,9 @@ back-off is over:
   registered (a restarted head answers before ``kvblend server`` has created them again).
 
 One log line per state change (up, down). The mixin keeps its own state (set by
-:meth:`AgentLife._start_life`) and uses the client's ``config``, ``namespace``, ``objects``
-(the arena), ``counters``, ``_lock``, ``io_timeout_s``, ``stuck_after_s`` and ``arena_bytes``;
-the client's ``close`` sets ``_closed`` and ``_stop``.
+:meth:`AgentLife._start_life`) and uses the transport's ``config``, ``namespace``, ``arenas``
+(the arena), ``_count``, ``_lock``, ``io_timeout_s``, ``stuck_after_s`` and ``arena_bytes``;
+the transport's ``close`` sets ``_closed`` and ``_stop``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ SHARDS_WAIT_S = 15.0
 
 class AgentLife:
     """Start, loss and reconnection of the agent (see the module docstring); mixed into
-    :class:`~cluster.cache.agent_client.AgentClient`."""
+    :class:`~cluster.cache.agent_transport.AgentTransport`."""
 
     def _start_life(self, start_timeout_s: float) -> None:
         """Start the first agent (waiting up to ``start_timeout_s``), then the watcher thread.
-        Called once, at the end of the client's constructor.
+        Called once, when the transport is bound to its client.
 
         Raises:
             ObjectKeyMissing: the first agent found that the cluster signs its chunk objects and
@@ -69,8 +69,10 @@ class AgentLife:
 
     @property
     def up(self) -> bool:
-        """Whether an agent is serving this client now."""
-        return self._link is not None
+        """Whether an agent serves now (asked before each call: a lost one is noticed here, and
+        while none serves — counted ``agent_down_calls`` — one is started in the background
+        once the back-off is over)."""
+        return self._agent() is not None
 
     def _address(self) -> str | None:
         from cluster.cache.connect import _auto_address, _probe
@@ -95,9 +97,9 @@ class AgentLife:
             why = f"{type(e).__name__}: {e}"
         with self._lock:
             self._starting = False
-            if link is not None and not self._closed:
+            started = link is not None and not self._closed
+            if started:
                 self._link, self._link_since = link, time.monotonic()
-                self.counters["agent_starts"] += 1
             elif not reachable:
                 # one TCP connect per BACKOFF_S[0] costs nothing: a head back on its address is
                 # found within a second of the next call, and the back-off starts over
@@ -106,6 +108,8 @@ class AgentLife:
             else:  # an agent started and failed (no shards, auth, ...): a process each time
                 self._next_start = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, BACKOFF_S[1])
+        if started:
+            self._count("agent_starts", 1)
         if link is not None and self._closed:
             link.close()
         elif link is not None:
@@ -130,7 +134,7 @@ class AgentLife:
     def _spawn(self, timeout_s: float, shards_wait_s: float) -> tuple[AgentLink | None, str]:
         hello = {"op": "hello", "config": self.config.as_flat_dict(), "namespace": self.namespace,
                  "shards_wait_s": shards_wait_s}
-        arena = self.objects.new_arena(self.arena_bytes)  # each agent a fresh one
+        arena = self.arenas.new_arena(self.arena_bytes)  # each agent a fresh one
         if arena is not None:
             hello["arena"] = {"fd": arena.fd, "bytes": arena.nbytes}
         try:
@@ -141,7 +145,7 @@ class AgentLife:
             if arena is not None:
                 arena.close_fd()  # the agent holds its own descriptor now
         if link is None or not link.arena:
-            self.objects.retire()  # no agent, or it could not map the arena: none held meanwhile
+            self.arenas.retire()  # no agent, or it could not map the arena: none held meanwhile
         return link, why
 
     def _lost(self, link: AgentLink) -> None:
@@ -149,12 +153,12 @@ class AgentLife:
             if self._link is not link:
                 return
             self._link = None
-            self.counters["agent_exits"] += 1
             if time.monotonic() - self._link_since >= HEALTHY_S:
                 self._backoff = BACKOFF_S[0]
             self._next_start = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, BACKOFF_S[1])
-        self.objects.retire()  # its arena too: a late write of the dying agent lands nowhere in use
+        self._count("agent_exits", 1)
+        self.arenas.retire()  # its arena too: a late write of the dying agent lands nowhere in use
         if not self._closed:
             self._state_change("down", f"cache agent (pid {link.pid}) exited ({link.why_closed}); serving "
                                "without the shared cache (full prefill) and reconnecting in the background")
@@ -183,7 +187,7 @@ class AgentLife:
             start = not self._starting and not self._closed and time.monotonic() >= self._next_start
             if start:
                 self._starting = True
-            self.counters["agent_down_calls"] += 1
+        self._count("agent_down_calls", 1)
         if start:
             threading.Thread(target=self._start, args=(AGENT_START_TIMEOUT_S + SHARDS_WAIT_S, SHARDS_WAIT_S),
                              name="kvblend-agent-start", daemon=True).start()

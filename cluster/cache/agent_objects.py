@@ -1,68 +1,72 @@
-"""The chunk objects vLLM's process holds from its cache agent: reserved in the shared-memory
-arena, asked for in one ``objects`` call per request, checked once, kept between requests.
+"""How chunk objects cross from the cache agent into vLLM's process: the shared-memory arena
+vLLM's process owns, one ``objects`` call per request.
 
-:class:`AgentObjects` is :class:`~cluster.cache.agent_client.AgentClient`'s object cache.
+:class:`AgentObjects` is :class:`~cluster.cache.agent_transport.AgentTransport`'s arena side.
 With an arena (:mod:`cluster.cache.arena`, the default) a read is::
 
-    reserve a slot per object (size bound from the lookup)   -> arena full: a counted miss
-    {"op": "objects", "keys", "slots": [[offset, capacity]]}  the agent copies each object in
-    {"where": ["host"|"shared"|"refit"|null], "sizes"}        and answers lengths, no bytes
-    parse each header in place (tag checked when a key is set), keep the view (LRU)
+    reserve a slot per object (size bound from its header)    -> arena full: a counted miss
+    and an 8-byte progress word
+    {"op": "objects", "keys", "slots": [[offset, capacity]],  the agent copies each object's
+     "progress": offset}                                      header in and answers lengths
+    {"where": ["host"|"refit"|null], "sizes"}                 (no bytes), then copies the rest
+    each object a view of its slot                            in rounds (arena.Progress): the
+                                                              client checks each header at once
+                                                              and waits per layer as it reads
 
 ``refit``: the object is larger than its slot (re-encoded since the lookup); the slot is
-freed, the size remembered and that key asked for once more. Without an arena (it could not
-be created, or ``agent_arena_gib`` is 0) the objects come over the socket as buffers.
+freed and that key asked for once more with a slot of its size. Without an arena (it could
+not be created, or ``agent_arena_gib`` is 0) the objects come over the socket as buffers.
 
-Bounds: objects are kept between requests up to :data:`MAX_KEPT_BYTES` over the socket or
-the arena's size (they are dropped oldest first when a reservation needs their room), never
-those of the call that just read them; at most :data:`MAX_SIZES` size bounds are remembered.
-Lifetimes of slots: :mod:`cluster.cache.arena` (freed with their last view; on a miss, a
-timeout, a refused call or a lost agent by the answer's arrival or the link's end).
+Room: the client holds objects between requests (its held-object LRU, bounded by the arena's
+size); when a slot does not fit, the client drops its oldest held objects (never those of the
+request) until it does, and the read is a miss (``arena_full``) when even that is not enough
+— never a wait. Lifetimes of slots: :mod:`cluster.cache.arena` (freed with their last view; on
+a miss, a timeout, a refused call or a lost agent by the answer's arrival or the link's end).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
-from cluster.cache.agent_ops import ObjectsAnswer, request
-from cluster.cache.arena import Arena
-from tiers.format import FormatError, parse_header
-from tiers.keys import ChunkKey
+from cluster.cache.arena import Arena, Progress
+from cluster.cache.ops import ObjectsAnswer, ObjectsRequest, SlotsAnswer
 
 log = logging.getLogger("kvblend.client")
 
-#: bytes of chunk objects kept between requests when they come over the socket
+#: bytes of chunk objects the client keeps between requests when they come over the socket
 MAX_KEPT_BYTES = 256 << 20
-#: object size bounds remembered from lookups
-MAX_SIZES = 65536
 
-#: (object bytes, its own header, came from a shared tier: its layers are authenticated here)
-Held = tuple[np.ndarray, object, bool]
-#: ``call(message, on_done) -> (result, buffers) | None``: one agent call within the objects
-#: deadline; ``on_done`` runs once the call's future completes (answered, failed, or refused)
-Call = Callable[[dict, Callable[[object], None]], tuple | None]
+#: ``call(request, on_done) -> (SlotsAnswer, buffers) | None``: one agent ``objects`` call within
+#: the objects deadline (None: no usable answer); ``on_done`` runs once the call's future
+#: completes (answered, failed, refused)
+Call = Callable[[ObjectsRequest, Callable[[object], None]], "tuple[SlotsAnswer, list] | None"]
 
 
 class AgentObjects:
-    """Objects read from one agent at a time (see the module docstring).
+    """The arena of one agent at a time and the objects read through it.
 
     Args:
-        count: ``count(counter, n)`` of the owning client (``read_errors``, ``arena_full``,
-            ``arena_refits``).
+        count: ``count(counter, n)`` of the client (``arena_full``, ``arena_refits``).
+        on_retire: called when an arena retires (the client then drops the objects it holds
+            in it: a new agent starts with an empty arena, and the old one's memory goes back).
     """
 
-    def __init__(self, count: Callable[[str, int], None]) -> None:
+    def __init__(self, count: Callable[[str, int], None], on_retire: Callable[[], None] = lambda: None) -> None:
         self._count = count
+        self._on_retire = on_retire
         self._lock = threading.Lock()
-        self._held: OrderedDict[ChunkKey, Held] = OrderedDict()
-        self._sizes: OrderedDict[ChunkKey, int] = OrderedDict()
         self.arena: Arena | None = None
         self._cuda = False  # page-lock every arena for CUDA (a CUDA worker stages from it)
+
+    @property
+    def keep_bytes(self) -> int:
+        """Bytes of objects the client may keep between requests: the arena's size."""
+        arena = self.arena
+        return MAX_KEPT_BYTES if arena is None else arena.nbytes
 
     def use_cuda(self) -> None:
         """A CUDA worker stages from these objects: register the arena (and every later
@@ -96,172 +100,114 @@ class AgentObjects:
         return arena
 
     def retire(self) -> None:
-        """The agent is gone (or the client closes): forget every object, retire the arena."""
+        """The agent is gone (or the client closes): no slot of its arena is handed out again
+        (its memory goes back with the last view of it)."""
         with self._lock:
             arena, self.arena = self.arena, None
-            self._held.clear()
         if arena is not None:
             arena.retire()
-
-    def forget(self, keys=None) -> None:
-        """Drop held objects of ``keys`` (all when None)."""
-        with self._lock:
-            if keys is None:
-                self._held.clear()
-            for k in keys or ():
-                self._held.pop(k, None)
-
-    def note_size(self, key: ChunkKey, nbytes: int) -> None:
-        """Remember an upper bound of ``key``'s object size (from a lookup answer)."""
-        with self._lock:
-            self._sizes[key] = int(nbytes)
-            self._sizes.move_to_end(key)
-            while len(self._sizes) > MAX_SIZES:
-                self._sizes.popitem(last=False)
-
-    def knows(self, key: ChunkKey) -> bool:
-        with self._lock:
-            return key in self._sizes
+            self._on_retire()
 
     def stats(self) -> dict[str, int]:
         arena = self.arena
-        with self._lock:
-            held = sum(h[0].nbytes for h in self._held.values())
-        out = {"arena_bytes": 0, "arena_used_bytes": 0, "arena_peak_bytes": 0}
-        if arena is not None:
-            out.update(arena.stats())
-        return {**out, "objects_held_bytes": held}
+        return arena.stats() if arena is not None else {"arena_bytes": 0, "arena_used_bytes": 0,
+                                                        "arena_peak_bytes": 0}
 
     # -- reads ---------------------------------------------------------------------------------
-    def read(self, keys: list[ChunkKey], call: Call) -> list[Held | None]:
-        """Per key its object (held already, or read through ``call`` now), or None."""
-        with self._lock:
-            got: list[Held | None] = [self._held.get(k) for k in keys]
-        need = [i for i, h in enumerate(got) if h is None]
-        if need:
-            arena = self.arena
-            if arena is None:
-                self._over_socket(keys, need, got, call)
-            else:
-                refit = self._into_arena(arena, keys, need, got, call)
-                if refit:
-                    self._into_arena(arena, keys, refit, got, call)
-        with self._lock:
-            for k, h in zip(keys, got, strict=True):
-                if h is not None:
-                    self._held[k] = h
-                    self._held.move_to_end(k)
-            self._trim(set(keys), MAX_KEPT_BYTES if self.arena is None else self.arena.nbytes)
-        return got
+    def read(self, request: ObjectsRequest, call: Call, evict: Callable[[set], bool]) -> ObjectsAnswer:
+        """Per key of ``request`` its object (a view of its arena slot, or a buffer), or None,
+        and the progress of those still arriving; ``evict(keep)`` drops one object the client
+        holds to make room."""
+        n = len(request.keys)
+        got: list = [None] * n
+        arriving: list = [None] * n
+        arena = self.arena
+        if arena is None:
+            self._over_socket(request, got, call)
+        else:
+            keep = set(request.keys)
+            bounds = list(request.bounds) or [0] * n
+            refit = self._into_arena(arena, request, range(n), bounds, got, arriving, call, keep, evict)
+            if refit:
+                self._into_arena(arena, request, refit, bounds, got, arriving, call, keep, evict)
+        return ObjectsAnswer(tuple(got), (True,) * n, tuple(arriving))  # host memory: checked as it entered
 
-    def _trim(self, keep: set, bound: int) -> None:
-        """Drop held objects oldest first until at most ``bound`` bytes, never those in
-        ``keep``. Call with the lock held."""
-        held = sum(h[0].nbytes for h in self._held.values())
-        for k in list(self._held):
-            if held <= bound:
-                break
-            if k not in keep:
-                held -= self._held.pop(k)[0].nbytes
-
-    def _reserve(self, arena: Arena, nbytes: int, keep: set):
-        """A slot, dropping held objects (oldest first, not ``keep``) to make room; None when
-        even that does not free enough (views of them are still in use, or the arena is
-        smaller than the request)."""
+    def _reserve(self, arena: Arena, nbytes: int, keep: set, evict: Callable[[set], bool]):
+        """A slot, the client dropping held objects (oldest first, not ``keep``) to make room;
+        None when even that does not free enough (views of them are still in use, or the arena
+        is smaller than the request)."""
         slot = arena.reserve(nbytes)
-        while slot is None:
-            with self._lock:
-                victim = next((k for k in self._held if k not in keep), None)
-                if victim is None:
-                    return None
-                dropped = self._held.pop(victim)
-            del dropped  # the last reference: its slot is free now unless a reader holds a view
+        while slot is None and evict(keep):
             slot = arena.reserve(nbytes)
         return slot
 
-    def _into_arena(self, arena: Arena, keys, need: list[int], got: list, call: Call) -> list[int]:
-        """Read ``need`` into arena slots; fills ``got``; the indexes to ask for again (refit)."""
-        keep = set(keys)
+    def _into_arena(self, arena: Arena, request: ObjectsRequest, todo, bounds: list, got: list,
+                    arriving: list, call: Call, keep: set, evict: Callable[[set], bool]) -> list[int]:
+        """Read ``todo`` (indexes) into arena slots, pipelined when a progress word fits too;
+        fills ``got`` and ``arriving``; the indexes to ask for again (refit: ``bounds`` updated)."""
         slots: dict[int, object] = {}
-        for i in need:
-            with self._lock:
-                bound = self._sizes.get(keys[i])
-            if bound is None:
-                continue  # not found by a lookup: a miss
-            slot = self._reserve(arena, bound, keep)
+        for i in todo:
+            if bounds[i] <= 0:
+                continue  # size unknown: a miss
+            slot = self._reserve(arena, bounds[i], keep, evict)
             if slot is None:
                 self._count("arena_full", 1)
                 continue
             slots[i] = slot
         if not slots:
             return []
+        word = self._reserve(arena, 8, keep, evict)
+        progress = None if word is None else Progress(word)
+        del word  # the progress holds its slot now
         order = list(slots)
-        state = {"finished": False, "abandoned": False}
+        state = {"finished": False, "abandoned": False, "copying": False}
         lock = threading.Lock()
 
-        def release_all() -> None:
-            for s in slots.values():
-                s.release()
+        def release_all() -> None:  # the agent may still copy into them only if it answered
+            for s in [*slots.values(), *([] if progress is None else [progress.slot])]:
+                if state["copying"] and progress is not None:
+                    arena.give_back_after(s, progress.done)
+                else:
+                    s.release()
 
-        def on_done(_fut) -> None:  # the answer arrived, the call failed, or it was refused
+        def on_done(fut) -> None:  # the answer arrived, the call failed, or it was refused
             with lock:
                 state["finished"] = True
+                state["copying"] = fut is not None and fut.exception() is None
                 free = state["abandoned"]
             if free:
                 release_all()
 
-        message = request("objects", [keys[i] for i in order],
-                          slots=[[slots[i].offset, slots[i].nbytes] for i in order])
-        answer = call(message, on_done)
-        parsed = self._parse(answer, len(order))
-        if parsed is None:  # no usable answer: the slots wait for the call's end
+        sub = ObjectsRequest(tuple(request.keys[i] for i in order), request.timeout_s,
+                             slots=tuple((slots[i].offset, slots[i].nbytes) for i in order),
+                             progress=-1 if progress is None else progress.offset)
+        reply = call(sub, on_done)
+        if reply is None:  # no usable answer: the slots wait for the call's end (and its copy)
             with lock:
                 state["abandoned"] = True
                 free = state["finished"]
             if free:
                 release_all()
             return []
-        refit = []
+        answer, refit = reply[0], []
         for j, i in enumerate(order):
-            slot, w, n = slots[i], parsed.where[j], parsed.sizes[j]
-            if w in ("host", "shared") and isinstance(n, int) and 0 < n <= slot.nbytes:
-                got[i] = self._own(keys[i], slot.view(n), shared=w == "shared")
+            slot, w, n = slots[i], answer.where[j], answer.sizes[j]
+            if w == "host" and isinstance(n, int) and 0 < n <= slot.nbytes:
+                got[i], arriving[i] = slot.view(n, progress), progress
             else:
-                slot.release()
+                slot.release()  # nothing written there
                 if w == "refit" and isinstance(n, int) and n > slot.nbytes:
-                    self.note_size(keys[i], n)
+                    bounds[i] = n
                     self._count("arena_refits", 1)
                     refit.append(i)
         return refit
 
-    def _over_socket(self, keys, need: list[int], got: list, call: Call) -> None:
-        answer = call(request("objects", [keys[i] for i in need]), lambda _f: None)
-        parsed = self._parse(answer, len(need))
-        if parsed is None:
+    def _over_socket(self, request: ObjectsRequest, got: list, call: Call) -> None:
+        reply = call(request, lambda _f: None)
+        if reply is None:
             return
-        it = iter(answer[1])
-        for i, w in zip(need, parsed.where, strict=True):
-            if w in ("host", "shared"):
-                buf = next(it, None)
-                if buf is None:
-                    return
-                got[i] = self._own(keys[i], np.frombuffer(buf, dtype=np.uint8), shared=w == "shared")
-
-    def _parse(self, answer, n: int) -> ObjectsAnswer | None:
-        """The objects answer for ``n`` keys, or None (no answer; a malformed one is counted
-        ``read_errors``)."""
-        if answer is None:
-            return None
-        parsed = ObjectsAnswer.from_wire(answer[0], n)
-        if parsed is None:
-            self._count("read_errors", 1)
-        return parsed
-
-    def _own(self, key: ChunkKey, arr: np.ndarray, *, shared: bool) -> Held | None:
-        """The object and its header (the header's tag checked when a key is set)."""
-        try:
-            return arr, parse_header(memoryview(arr), expected_key=key), shared
-        except FormatError as err:
-            log.debug("object of %s rejected: %s", key, err)
-            self._count("read_errors", 1)
-            return None
+        answer, buffers = reply
+        it = iter(buffers)  # one per "host" (SlotsAnswer.from_wire checked the count)
+        for i, w in enumerate(answer.where):
+            if w == "host":
+                got[i] = np.frombuffer(next(it), dtype=np.uint8)

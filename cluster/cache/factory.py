@@ -1,8 +1,12 @@
 """One factory for the cache client every caller uses (the vLLM connector, ingest, the demo,
-benchmarks).
+benchmarks): the one :class:`~cluster.cache.client.CacheClient` over the transport chain it picks.
 
-:func:`make_client` returns the Ray :class:`~cluster.cache.client.CacheClient` when Ray and at
-least one shard are reachable; otherwise it falls back:
+:func:`make_client` with ``agent=True`` (the vLLM connector's ``ray_client: agent``) gives the
+chain *cache agent, then machine-local cache* (:func:`agent_client`; the agent's
+:class:`~cluster.cache.agent_transport.AgentTransport` serves while an agent is up, the shared
+``local_fallback`` client's transport while it is down). Otherwise it returns a client over the
+:class:`~cluster.cache.ray_transport.RayTransport` (shard actors from this process) when Ray and
+at least one shard are reachable; else it falls back:
 
 ================================  ==============================================================
 Ray not reachable                 machine-local client (one warning per process)
@@ -33,6 +37,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cluster.cache.client import CacheClient
 from cluster.cache.connect import ObjectKeyMissing, connect, warn_once
 from cluster.cache.lifecycle import shard_names
 from cluster.cache.local import LocalCacheClient, local_client
@@ -43,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvblend.client")
 
 _local_clients: dict[tuple[str | None, str], LocalCacheClient] = {}
-_agent_clients: dict[tuple[str | None, str], object] = {}
+_agent_clients: dict[tuple[str | None, str], CacheClient] = {}
 _local_lock = threading.Lock()
 
 
@@ -62,13 +67,12 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
         fallback_on_error: degrade to a machine-local (or in-memory) client when building the
             client raises, instead of raising (see the module docstring).
         agent: (vLLM connectors with ``ray_client='agent'``) Ray runs in a child process:
-            an :class:`~cluster.cache.agent_client.AgentClient`, one per namespace and device
-            in this process, over the ``local_fallback`` client while the agent is down;
-            ignored with ``ray_address='local'`` (an in-process cluster).
+            the agent chain (:func:`shared_agent_client`), one per namespace and device in this
+            process; ignored with ``ray_address='local'`` (an in-process cluster).
 
     Returns:
-        A :class:`~cluster.cache.client.CacheClient` or a shared
-        :class:`~cluster.cache.local.LocalCacheClient`; both keep
+        A :class:`~cluster.cache.client.CacheClient` (over the agent chain, or the Ray
+        transport), or a shared :class:`~cluster.cache.local.LocalCacheClient`; each keeps
         :class:`cluster.cache.protocol.CacheClientProtocol`.
 
     Raises:
@@ -89,8 +93,6 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
                       "running without the shared cache (a machine-local disk cache only)",
                       config.cluster.ray_namespace)
         else:
-            from cluster.cache.client import CacheClient
-
             return CacheClient(config, namespace, device=device, thread_initializer=thread_initializer)
         return shared_local_client(config, namespace, device=device, memory_fallback=fallback_on_error)
     except Exception as e:  # noqa: BLE001 - no shared cache is a degraded mode, not an error
@@ -101,21 +103,44 @@ def make_client(config, namespace: str | None = None, *, device: str = "cpu",
 
 
 def shared_agent_client(config, namespace: str | None = None, *, device: str = "cpu",
-                        thread_initializer: Callable[[], None] | None = None):
-    """This process's :class:`~cluster.cache.agent_client.AgentClient` for ``namespace`` and
-    ``device`` (made, and its first agent started, on the first call)."""
-    from cluster.cache.agent_client import AgentClient
-
+                        thread_initializer: Callable[[], None] | None = None) -> CacheClient:
+    """This process's agent-chain client for ``namespace`` and ``device`` (made, and its first
+    agent started, on the first call; :func:`agent_client` over the shared ``local_fallback``
+    client)."""
     with _local_lock:
         client = _agent_clients.get((namespace, str(device)))
     if client is None:
         fallback = shared_local_client(config, namespace, device=device, memory_fallback=True)
-        made = AgentClient(config, namespace, fallback, device=device, thread_initializer=thread_initializer)
+        made = agent_client(config, namespace, fallback, device=device, thread_initializer=thread_initializer)
         with _local_lock:
             client = _agent_clients.setdefault((namespace, str(device)), made)
         if client is not made:
             made.close()
     return client
+
+
+def agent_client(config, namespace: str | None, fallback: CacheClient | None = None, *,
+                 device: str = "cpu", thread_initializer: Callable[[], None] | None = None,
+                 start_timeout_s: float | None = None) -> CacheClient:
+    """A client over the chain *cache agent, then* ``fallback``'s transports (which it does not
+    close: the fallback is shared; default: a 1 GiB in-memory cache of its own).
+
+    Args:
+        start_timeout_s: how long to wait for the first agent
+            (:data:`~cluster.cache.agent_life.AGENT_START_TIMEOUT_S` by default).
+
+    Raises:
+        ObjectKeyMissing: the first agent found that the cluster signs its chunk objects and
+            this process has no key (issue 37: the vLLM process refuses to start).
+    """
+    from cluster.cache.agent_transport import AGENT_START_TIMEOUT_S, AgentTransport
+
+    agent = AgentTransport(config, namespace, start_timeout_s=(
+        AGENT_START_TIMEOUT_S if start_timeout_s is None else start_timeout_s))
+    borrowed = fallback.transports if fallback is not None else ()
+    chain = [agent, *(borrowed or LocalCacheClient().transports)]
+    return CacheClient(config, namespace, device, thread_initializer=thread_initializer,
+                       transports=chain, borrowed=borrowed)
 
 
 def shared_local_client(config, namespace: str | None = None, *, device: str = "cpu",

@@ -1,4 +1,5 @@
-"""The client's cache of parsed chunk headers: an LRU bounded by an estimate of its bytes.
+"""The client's caches: parsed chunk headers (an LRU bounded by an estimate of its bytes) and
+the whole chunk objects it holds between requests (an LRU bounded by their bytes).
 
 A header's size grows with its layers (one :class:`tiers.format.LayerEntry` each) and
 position runs, and the client's entry keeps the expanded position list (one slot per
@@ -11,7 +12,12 @@ The estimate (measured with ``tracemalloc`` on CPython 3.11, 32 layers, 256 toke
 ~8.6 KB per parsed header with one run, +77 B per further run, ~40 B per position) errs
 high; it is a bound for eviction, not an accounting.
 
-:func:`own_header` checks the header inside a mapped object against the one a lookup returned.
+:class:`HeldObjects` keeps the objects a transport handed over (mapped Ray objects, arena
+slots, a local tier's bytes) with their own headers, bounded the same way by their bytes
+(dropping one drops the client's reference only: a mapped object is unpinned, an arena slot
+freed, once no reader holds a view of it either); :func:`own_header` checks the header
+inside such an object against the one a lookup returned, and :func:`object_bound` bounds an
+object's bytes from its header (what an arena slot reserves).
 """
 
 from __future__ import annotations
@@ -39,27 +45,28 @@ def entry_nbytes(entry) -> int:
             + POSITION_RUN_BYTES * len(h.positions) + POSITION_BYTES * h.num_tokens)
 
 
-class HeaderCache(OrderedDict):
-    """An ``OrderedDict`` (oldest first) of ``key -> entry`` that keeps :attr:`nbytes`, the
-    sum of :func:`entry_nbytes` over its entries, through ``[]=``, ``del``, ``pop``,
-    ``popitem`` and ``clear``. Not thread-safe by itself (the client holds its lock)."""
+class SizedLRU(OrderedDict):
+    """An ``OrderedDict`` (oldest first) that keeps :attr:`nbytes`, the sum of
+    ``nbytes_of(value)`` over its values, through ``[]=``, ``del``, ``pop``, ``popitem`` and
+    ``clear``. Not thread-safe by itself (the client holds its lock)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, nbytes_of) -> None:
         self.nbytes = 0
-        super().__init__(*args, **kwargs)
+        self._nbytes_of = nbytes_of
+        super().__init__()
 
     # pop and popitem remove through this class's __delitem__, never OrderedDict's own pop
     # (whether that calls a subclass's __delitem__ is an implementation detail)
     def __setitem__(self, key: Hashable, entry) -> None:
         if key in self:
-            self.nbytes -= entry_nbytes(super().__getitem__(key))
+            self.nbytes -= self._nbytes_of(super().__getitem__(key))
         super().__setitem__(key, entry)
-        self.nbytes += entry_nbytes(entry)
+        self.nbytes += self._nbytes_of(entry)
 
     def __delitem__(self, key: Hashable) -> None:
         entry = super().__getitem__(key)
         super().__delitem__(key)
-        self.nbytes -= entry_nbytes(entry)
+        self.nbytes -= self._nbytes_of(entry)
 
     def pop(self, key: Hashable, *default):
         if key not in self:
@@ -90,17 +97,32 @@ class HeaderCache(OrderedDict):
         return dropped
 
 
+class HeaderCache(SizedLRU):
+    """``key -> HeaderEntry``, its bytes by :func:`entry_nbytes`."""
+
+    def __init__(self) -> None:
+        super().__init__(entry_nbytes)
+
+
+class HeldObjects(SizedLRU):
+    """``key -> (object, its own header, checked, progress)``, its bytes the objects' (uint8
+    arrays)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda held: held[0].nbytes)
+
+
 class HeaderEntry:
     """What a :class:`cluster.cache.client.CacheClient` knows about one chunk after a lookup:
-    its parsed header, the shard that answered, the tier and, until mapped, its ObjectRef."""
+    its parsed header, where it was found (the shard or tier that answered, ``""`` for a
+    shared tier read directly) and the tier."""
 
-    __slots__ = ("header", "shard", "tier", "ref", "_positions")
+    __slots__ = ("header", "shard", "tier", "_positions")
 
-    def __init__(self, header: ChunkHeader, shard: str, tier: str, ref=None) -> None:
+    def __init__(self, header: ChunkHeader, shard: str, tier: str) -> None:
         self.header = header
-        self.shard = shard      # owner that answered; "" when read from a shared tier directly
+        self.shard = shard
         self.tier = tier
-        self.ref = ref          # the object's ObjectRef until it is mapped, else None
         self._positions: tuple[int, ...] | None = None
 
     def positions(self) -> tuple[int, ...]:
@@ -124,3 +146,19 @@ def own_header(key, looked_up: ChunkHeader, obj) -> ChunkHeader:
             looked_up.dtype, looked_up.num_layers, looked_up.layer_shape, looked_up.positions):
         raise FormatError(f"object of {key} does not match its looked-up header")
     return own
+
+
+def object_bound(header: ChunkHeader) -> int:
+    """An upper bound of the bytes of ``header``'s chunk object in any encoding (its layers raw
+    or lz4: a tier stores a layer raw when lz4 does not shrink it): what an arena slot reserves."""
+    return max(header.total_bytes, header.header_end + header.num_layers * (header.layer_nbytes + 64))
+
+
+def arrived(held: tuple, layer, deadline: float) -> bool:
+    """Whether the bytes of ``layer`` (a :class:`tiers.format.LayerEntry`, or None: the whole
+    object) of ``held`` are in place, waiting for an object still arriving until ``deadline``."""
+    obj, header, _checked, progress = held
+    if progress is None:
+        return True
+    end = obj.nbytes if layer is None else layer.offset + layer.stored_len
+    return progress.wait(end, header.header_end, obj.nbytes, deadline)

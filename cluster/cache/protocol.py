@@ -1,8 +1,9 @@
-"""``CacheClientProtocol``: the one contract of the Ray cache client and the machine-local one.
+"""``CacheClientProtocol``: the contract of the cache client, whatever its transports.
 
-Implementations: :class:`cluster.cache.client.CacheClient` (over the Ray shard actors) and
-:class:`cluster.cache.local.LocalCacheClient` (tiers in this process, no Ray);
-:func:`cluster.cache.factory.make_client` returns one of them. It extends blend's
+Implementation: :class:`cluster.cache.client.CacheClient`, over a chain of transports (the Ray
+shard actors from this process, a cache agent process, a tier in this process:
+:class:`cluster.cache.local.LocalCacheClient` is the client over one such tier);
+:func:`cluster.cache.factory.make_client` builds the chain. It extends blend's
 :class:`~blend.protocols.KVSource` and :class:`~blend.protocols.KVSink` with the calls that
 ingest, the connector's store path and the benchmarks use. Who calls what::
 
@@ -113,7 +114,8 @@ class CacheClientProtocol(KVSource, KVSink, Protocol):
         """``{'client': {counter: count}, ...}``: ``client`` holds this client's cumulative
         event counts since construction (at least ``lookups``, ``hits``, ``misses``,
         ``read_errors``, ``puts``); the other entries describe the stores behind it
-        (``'shards'`` for the Ray client, ``'tiers'`` for the local one). JSON-able."""
+        (``'shards'`` over Ray, ``'tiers'`` over a local tier, ``'arena'`` and ``'agent'``
+        over a cache agent). JSON-able."""
         ...
 
     def close(self) -> None:

@@ -119,7 +119,7 @@ def send_frame(sock: socket.socket, lock: threading.Lock, message: dict,
     views = [memoryview(b).cast("B") for b in buffers]
     if len(body) > MAX_JSON_BYTES or len(views) > MAX_BUFFERS or any(v.nbytes > MAX_BUFFER_BYTES for v in views):
         raise ValueError("frame exceeds the wire limits")
-    parts: list = [_PREFIX.pack(len(body), len(views)), body]
+    parts: list = [_PREFIX.pack(len(body), len(views)) + body]  # one send for a frame without buffers
     for v in views:
         parts.append(_LEN.pack(v.nbytes))
         parts.append(v)

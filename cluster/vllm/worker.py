@@ -277,10 +277,10 @@ class KVBlendWorker:
     def _report_arena(self) -> None:
         """The agent arena's size and use (gauges) and its full-arena misses since the last
         report, as deltas (no call to the agent: the client's own numbers)."""
-        objects = getattr(self.client, "objects", None)  # only the agent client has an arena
-        if objects is None:
+        arena = getattr(self.client, "arena_stats", lambda: None)()  # over a cache agent only
+        if arena is None:
             return
-        now = {**objects.stats(), "arena_full": self.client.counters.get("arena_full", 0)}
+        now = {**arena, "arena_full": self.client.counters.get("arena_full", 0)}
         deltas = {k: now[k] - old for k, old in self._arena_reported.items() if now[k] != old}
         self._arena_reported = {k: now[k] for k in self._arena_reported}
         if deltas:

@@ -93,7 +93,7 @@ def test_unselected_rows_keep_cached_kv_bit_for_bit(make_setup):
     hits = plan.hit_segments
     for layer in range(2, engine.spec.num_layers):
         for seg in hits:
-            stored = client.read_layer(seg.key, layer)  # [2, n, H, D]
+            stored = client.fetch_layer([seg.key], layer).result()[0]  # [2, n, H, D]
             rows = torch.arange(seg.start, seg.end)
             k_rot = engine.model.rotate_k(stored[0], torch.tensor(seg.stored_positions), rows)
             for j, row in enumerate(rows.tolist()):
@@ -115,7 +115,7 @@ def test_selected_rows_are_the_top_deviation(make_setup, score):
     reused = [r for s in plan.hit_segments for r in range(s.start, s.end)]
     cached = torch.zeros_like(full.kv[1])
     for seg in plan.hit_segments:
-        stored = client.read_layer(seg.key, 1)
+        stored = client.fetch_layer([seg.key], 1).result()[0]
         cached[0, seg.start:seg.end] = engine.model.rotate_k(
             stored[0], torch.tensor(seg.stored_positions), torch.arange(seg.start, seg.end))
         cached[1, seg.start:seg.end] = stored[1]

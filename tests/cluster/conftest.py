@@ -87,3 +87,22 @@ def client(kvconfig, shards):
     yield c
     c.close()
 
+
+@pytest.fixture(params=["ray", "agent", "local"])
+def any_client(request, kvconfig, shards):
+    """The one cache client over each transport: the shard actors from this process (``ray``),
+    a cache agent process on the same shards, then a machine-local fallback (``agent``, the
+    connector's default), and a tier in this process (``local``)."""
+    from cluster.cache.client import CacheClient
+    from cluster.cache.factory import agent_client
+    from cluster.cache.local import LocalCacheClient
+
+    if request.param == "ray":
+        c = CacheClient(kvconfig, namespace=NAMESPACE)
+    elif request.param == "agent":
+        c = agent_client(kvconfig, NAMESPACE, LocalCacheClient())
+        assert c.transports[0].up, "the agent serves the shards"
+    else:
+        c = LocalCacheClient()
+    yield c
+    c.close()

@@ -125,19 +125,20 @@ def test_a_vllm_process_whose_cache_agent_finds_no_key_refuses_to_start(monkeypa
     """Issue 37, the connector's default ``ray_client: agent``: the agent (the Ray driver) is
     refused by the cluster's mark, and the vLLM process's client raises it instead of serving
     without the shared cache."""
-    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.agent_transport import AgentTransport
     from cluster.cache.connect import ObjectKeyMissing
+    from cluster.cache.factory import agent_client
     from cluster.cache.local import LocalCacheClient
     from cluster.config import load_config
 
     refused = "no object key: the kvblend cluster in Ray namespace 'ns' signs its chunk objects; ..."
-    monkeypatch.setattr(AgentClient, "_address", lambda self: "127.0.0.1:1")
-    monkeypatch.setattr(AgentClient, "_spawn", lambda self, timeout_s, shards_wait_s=0.0: (None, f"ObjectKeyMissing: {refused}"))
+    monkeypatch.setattr(AgentTransport, "_address", lambda self: "127.0.0.1:1")
+    monkeypatch.setattr(AgentTransport, "_spawn", lambda self, timeout_s, shards_wait_s=0.0: (None, f"ObjectKeyMissing: {refused}"))
     config = load_config(environ={})
     with pytest.raises(ObjectKeyMissing, match="no object key"):
-        AgentClient(config, "ns", LocalCacheClient(), start_timeout_s=1.0)
+        agent_client(config, "ns", LocalCacheClient(), start_timeout_s=1.0)
     # any other failed start is the usual fallback
-    monkeypatch.setattr(AgentClient, "_spawn", lambda self, timeout_s, shards_wait_s=0.0: (None, "Ray is gone"))
-    client = AgentClient(config, "ns", LocalCacheClient(), start_timeout_s=1.0)
-    assert not client.up
+    monkeypatch.setattr(AgentTransport, "_spawn", lambda self, timeout_s, shards_wait_s=0.0: (None, "Ray is gone"))
+    client = agent_client(config, "ns", LocalCacheClient(), start_timeout_s=1.0)
+    assert not client.transports[0].up
     client.close()

@@ -24,7 +24,7 @@ SENT = 30
 
 
 def _shard_puts(client) -> int:
-    return sum(int(s.get("counters", {}).get("puts", 0)) for s in client.shard_stats().values())
+    return sum(int(s.get("counters", {}).get("puts", 0)) for s in client.stats()["shards"].values())
 
 
 def test_a_stopped_shards_mailbox_holds_at_most_the_pending_put_bound(kvconfig, shards, monkeypatch):

@@ -1,7 +1,7 @@
 """CUDA: a request's chunk objects that arrived in the cache agent's arena go to the GPU from
 there (the arena is registered with CUDA: no staging fill), bit-exact, and their slots come back
-once the copies that read them completed (issue 32). The real :class:`AgentClient`, its
-:class:`RayHostLayers` and the worker's :func:`build_worker_source`; the agent is a stand-in
+once the copies that read them completed (issue 32). The real client over the agent chain, its
+:class:`ClientHostLayers` and the worker's :func:`build_worker_source`; the agent is a stand-in
 link that writes objects into the arena through an :class:`ArenaWriter`, as the agent does.
 
 Needs a GPU (skipped otherwise by the gpu marker)."""
@@ -30,42 +30,37 @@ class _ArenaLink:
 
     def __init__(self, client, objects: dict) -> None:
         self.objects = objects
-        arena = client.objects.arena
+        arena = client.transports[0].arenas.arena
         self.writer = ArenaWriter(os.dup(arena.fd), arena.nbytes)
 
     def call(self, message, buffers=()):
-        from cluster.cache.agent_ops import LookupHit
-        from tiers.format import parse_header, positions_to_runs
+        from cluster.cache.ops import LookupAnswer, LookupHit, SlotsAnswer
 
         fut = Future()
         if message["op"] == "lookup":
-            out = []
-            for k in message["keys"]:
-                h = parse_header(self.objects[k])
-                runs = tuple(map(tuple, positions_to_runs(h.position_list())))
-                out.append(LookupHit(h.num_tokens, runs, "host", len(self.objects[k])).to_wire())
-            fut.set_result((out, []))
+            hits = tuple(LookupHit("host", self.objects[k], "shard-0") for k in message["keys"])
+            fut.set_result(LookupAnswer(hits).to_wire())
         else:
-            sizes = [self.writer.write(off, cap, self.objects[k])
-                     for k, (off, cap) in zip(message["keys"], message["slots"], strict=True)]
-            fut.set_result(({"where": ["host"] * len(sizes), "sizes": sizes}, []))
+            sizes = tuple(self.writer.write(off, cap, self.objects[k])
+                          for k, (off, cap) in zip(message["keys"], message["slots"], strict=True))
+            fut.set_result(SlotsAnswer(("host",) * len(sizes), sizes).to_wire())
         return fut
 
 
 def test_arena_objects_reach_the_gpu_unstaged_bit_exact_and_their_slots_come_back(monkeypatch):
-    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.factory import agent_client
     from cluster.cache.local import LocalCacheClient
     from cluster.config import load_config
     from cluster.vllm.worker_source import build_worker_source
 
     cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
-    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+    client = agent_client(cfg, NAMESPACE, LocalCacheClient())
     try:
-        arena = client.objects.new_arena(64 << 20)
+        arena = client.transports[0].arenas.new_arena(64 << 20)
         keys = [make_key(99000 + i) for i in range(3)]
         kvs = [shard_kv(60 + i, num_tokens=256) for i in range(3)]
         link = _ArenaLink(client, {str(k): make_object(k, kv) for k, kv in zip(keys, kvs, strict=True)})
-        monkeypatch.setattr(client, "_link", link)
+        monkeypatch.setattr(client.transports[0], "_link", link)
         source = build_worker_source(client, CUDA, kvs[0].shape[0], pinned_bytes=0)
         assert arena.registered, "a CUDA staging source registers the agent's arena"
         assert all(m is not None for m in source.lookup(keys))
@@ -77,7 +72,7 @@ def test_arena_objects_reach_the_gpu_unstaged_bit_exact_and_their_slots_come_bac
         stats = source.reader.transfer_stats()
         assert stats.num_copies > 0 and stats.fill_bytes == 0  # straight from the arena
         source.reader.layers.forget()
-        client.objects.forget()
+        client.drop_objects()
         assert arena.stats()["arena_used_bytes"] == 0  # the copies completed: every slot back
         source.close()
     finally:

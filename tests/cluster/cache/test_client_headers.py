@@ -1,12 +1,13 @@
 """The client's header cache is bounded by an estimate of its bytes, not by a count (issue #20).
 
-No Ray: ``CacheClient`` is built with its connection, router and writer replaced by stand-ins;
-``_remember`` and the header cache are the real ones."""
+No Ray: ``CacheClient`` is built over a ``RayTransport`` whose connection, router and writer are
+stand-ins; ``_remember``, the header cache and the held objects are the real ones."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from cluster.cache import client as client_mod
@@ -41,12 +42,12 @@ def test_big_headers_are_bounded_by_bytes_and_take_their_mappings_along(client):
     # ~0.45 MB each by the estimate (the entry keeps their 4096 positions too)
     keys = [make_key(i) for i in range(400)]
     for k in keys:
-        client._objects[k] = ("mapped", None)
+        client.objects[k] = (np.zeros(1, np.uint8), None, True)
         client._remember(k, _entry(k, 1024, 4096))
     kept = list(client._meta)
     assert 0 < len(kept) < len(keys)
     assert kept == keys[-len(kept):]  # the newest stay, the oldest went first
-    assert list(client._objects) == kept  # an evicted header's mapping went with it
+    assert list(client.objects) == kept  # an evicted header's object went with it
 
     from cluster.cache.headers import entry_nbytes
 

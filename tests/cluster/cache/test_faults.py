@@ -79,10 +79,10 @@ def test_kill_shard_during_reads_then_disk_chunks_found(client, kvconfig, shards
 
     # the restarted shard (same name, same disk directory) finds its chunks on disk
     assert info["name"] == victim
-    client.router.refresh(force=True)
-    client.router.handles.clear()
-    client.router.suspect.clear()
-    client._objects.clear()  # forget the mapped objects: read through the restarted shard
+    client.transport.router.refresh(force=True)
+    client.transport.router.handles.clear()
+    client.transport.router.suspect.clear()
+    client.drop_objects()  # forget the mapped objects: read through the restarted shard
     client._meta.clear()
     metas = client.lookup(victim_keys)
     assert all(m is not None for m in metas)
@@ -121,16 +121,17 @@ def test_a_ref_whose_owner_died_is_a_miss_within_the_call_deadline(client, kvcon
     handle = get_shard(victim, kvconfig.cluster.ray_namespace)
     old_pid = ray.get(handle.ready.remote(), timeout=60)["pid"]
     try:
-        real_request_refs = reader._request_refs  # noqa: SLF001 - the seam between refs and gets
+        real_refs = reader.transport.refs  # the seam between refs and gets
         held: list[int] = []
 
-        def refs_then_owner_dies(ks, entries, arrays):
-            real_request_refs(ks, entries, arrays)
-            held.append(sum(e is not None and e.ref is not None for e in entries))
+        def refs_then_owner_dies(ks, timeout_s):
+            got = real_refs(ks, timeout_s)
+            held.append(len(got[1]))
             ray.kill(handle, no_restart=False)
             wait_gone(old_pid)  # gone before the get starts
+            return got
 
-        monkeypatch.setattr(reader, "_request_refs", refs_then_owner_dies)
+        monkeypatch.setattr(reader.transport, "refs", refs_then_owner_dies)
         got = returns_within(lambda: reader.fetch_layer(victim_keys, 1).result(60), hang_s=60.0,
                              what="ray.get of refs whose owner died")
         monkeypatch.undo()

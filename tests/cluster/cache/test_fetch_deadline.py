@@ -1,10 +1,10 @@
 """A worker-side read has one deadline (issue #20): ``CacheClient.fetch_layer`` no longer
-spends ``call_timeout_s`` per object when the batched ``ray.get`` fails, nor ``io_timeout_s``
-per key reading shared tiers directly, one after another.
+spends ``call_timeout_s`` per object when the Ray transport's batched ``ray.get`` fails, nor
+``io_timeout_s`` per key reading shared tiers directly, one after another.
 
-No Ray cluster and no sleeping: ``CacheClient`` is built with stand-ins for its connection,
-router and writer (as in ``test_client_headers.py``), and the client module's clock is a fake
-that each stand-in read advances by what the real call would have waited."""
+No Ray cluster and no sleeping: ``CacheClient`` is built over a ``RayTransport`` with stand-ins
+for its connection, router and writer (as in ``test_client_headers.py``), and the modules'
+clock is a fake that each stand-in read advances by what the real call would have waited."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.cache import client as client_mod
+from cluster.cache import ray_transport
 from cluster.cache.headers import HeaderEntry
+from cluster.cache.ops import ObjectsRequest
 from tests.factories import make_key, ray_free_client
 from tiers.format import ChunkHeader, LayerEntry
 
@@ -32,14 +34,18 @@ class _Clock:
 def clock(monkeypatch) -> _Clock:
     c = _Clock()
     monkeypatch.setattr(client_mod, "time", c)
+    monkeypatch.setattr(ray_transport, "time", c)
     return c
+
+
+def _config():
+    return SimpleNamespace(cluster=SimpleNamespace(call_timeout_s=1.0, ray_address="", ray_namespace="test"),
+                           blend=SimpleNamespace(load_timeout_s=2.0), tiers=None)
 
 
 @pytest.fixture
 def client(monkeypatch, clock):
-    cfg = SimpleNamespace(cluster=SimpleNamespace(call_timeout_s=1.0, ray_address="", ray_namespace="test"),
-                          blend=SimpleNamespace(load_timeout_s=2.0), tiers=None)
-    c = ray_free_client(monkeypatch, cfg)
+    c = ray_free_client(monkeypatch, _config())
     yield c
     c.close()
 
@@ -65,7 +71,7 @@ def test_direct_reads_stop_at_the_fetch_deadline(client, clock, monkeypatch):
         return f"layer of {key}"
 
     monkeypatch.setattr(client, "map_for_read", lambda ks: ([_entry(k) for k in ks], [None] * len(ks)))
-    monkeypatch.setattr(client, "_shared_tiers", lambda: ["redis"])
+    monkeypatch.setattr(client, "shared_tiers", lambda: ["redis"])
     monkeypatch.setattr(client, "_direct_layer", direct)
     t0 = clock.now
     got = client._fetch(keys, 1)
@@ -75,7 +81,7 @@ def test_direct_reads_stop_at_the_fetch_deadline(client, clock, monkeypatch):
     assert clock.now - t0 <= 2.0 + 0.6  # the last read started before the deadline
 
 
-def test_one_by_one_object_gets_share_the_call_deadline(client, clock, monkeypatch):
+def test_one_by_one_object_gets_share_the_call_deadline(monkeypatch, clock):
     """The batched ``ray.get`` of five objects times out (``call_timeout_s`` = 1 s); the
     one-by-one retry then gets what is left of the same second (0 s: only objects already
     local), not a second each: before, 1 + 5 x 1 s."""
@@ -88,21 +94,35 @@ def test_one_by_one_object_gets_share_the_call_deadline(client, clock, monkeypat
         clock.now += timeout
         raise ray.exceptions.GetTimeoutError("stand-in: no object")
 
+    class OneShard:  # the shard answers get_refs with a ref per key
+        def groups(self, keys):
+            return {"shard-0": list(range(len(keys)))}
+
+        def call(self, groups, method, args_for, timeout_s=None, late=None):
+            assert method == "get_refs"
+            return {"shard-0": [[object()] for _ in groups["shard-0"]]}
+
+        def refresh(self, force=False):
+            pass
+
     monkeypatch.setattr(ray, "get", fake_get)
-    keys = [make_key(10 + i) for i in range(5)]
-    entries = [_entry(k, shard="shard-0") for k in keys]
-    for e in entries:
-        e.ref = object()
-    arrays = [None] * 5
-    t0 = clock.now
-    client._map_objects(keys, entries, arrays)
-    assert waits[0] == 1.0 and waits[1:] == [0.0] * 5
-    assert clock.now - t0 == 1.0
-    assert arrays == [None] * 5 and client.counters["shard_errors"] == 5
-    assert all(e.ref is None for e in entries)  # refs are not kept after a failed read
+    client = ray_free_client(monkeypatch, _config(), router=OneShard())
+    try:
+        keys = tuple(make_key(10 + i) for i in range(5))
+        t0 = clock.now
+        got = client.transport.objects(ObjectsRequest(keys, timeout_s=2.0))
+        assert waits[0] == 1.0 and waits[1:] == [0.0] * 5
+        assert clock.now - t0 == 1.0
+        assert got.objects == (None,) * 5 and client.counters["shard_errors"] == 5
+    finally:
+        client.close()
 
 
-def test_the_fetch_timeout_is_the_longer_of_call_and_load_timeouts(client):
-    assert client._fetch_timeout_s() == 2.0
-    client.config = SimpleNamespace(cluster=client.config.cluster, tiers=None)  # no blend section
-    assert client._fetch_timeout_s() == 1.0
+def test_the_fetch_timeout_is_the_longer_of_call_and_load_timeouts(client, monkeypatch):
+    assert client.fetch_timeout_s == 2.0
+    no_blend = SimpleNamespace(cluster=client.config.cluster, tiers=None)  # no blend section
+    other = ray_free_client(monkeypatch, no_blend)
+    try:
+        assert other.fetch_timeout_s == 1.0
+    finally:
+        other.close()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.cache import client as client_mod
+from cluster.cache import ray_transport
 from cluster.cache import router as router_mod
 from tests.factories import make_key, make_kv, make_object, returns_within
 from tiers.format import parse_header
@@ -68,13 +69,13 @@ def setup(monkeypatch):
     monkeypatch.setattr(ray, "get", fake_get)
     monkeypatch.setattr(router_mod, "shard_names", lambda ns: list(SHARDS))
     monkeypatch.setattr(router_mod, "get_shard", lambda name, ns: handles.get(name))
-    monkeypatch.setattr(client_mod, "connect", lambda cluster: object())
-    monkeypatch.setattr(client_mod, "ShardWriter", lambda router, count: None)
+    monkeypatch.setattr(ray_transport, "connect", lambda cluster: object())
+    monkeypatch.setattr(ray_transport, "ShardWriter", lambda router, count: None)
     cfg = SimpleNamespace(
         cluster=SimpleNamespace(call_timeout_s=30.0, ray_address="", ray_namespace="test"),
         tiers=SimpleNamespace(lookup_timeout_s=0.25, redis_url="", s3_url=""))
     client = client_mod.CacheClient(cfg)
-    monkeypatch.setattr(client, "_shared_tiers", lambda: [])
+    monkeypatch.setattr(client, "shared_tiers", lambda: [])
     yield client, handles, keys
     for h in handles.values():
         h.ready.set()
@@ -87,7 +88,7 @@ def _returns(fn, *args):
 
 def test_a_slow_shard_is_a_miss_by_the_lookup_deadline_and_not_marked_failed(setup):
     client, handles, keys = setup
-    owners = [client.router.placement.owner(str(k)) for k in keys]
+    owners = [client.transport.router.placement.owner(str(k)) for k in keys]
     assert set(owners) == set(SHARDS)  # both shards own some of the keys
     t0 = time.monotonic()
     got = _returns(client.lookup, keys)
@@ -96,15 +97,15 @@ def test_a_slow_shard_is_a_miss_by_the_lookup_deadline_and_not_marked_failed(set
         assert (meta is not None) == (owner == "shard-fast"), k
     assert client.counters["timeouts"] == 1
     # slow once is not failed: not suspect, its handle kept, asked again at the next lookup
-    assert client.router.usable("shard-slow")
-    assert "shard-slow" in client.router.handles
+    assert client.transport.router.usable("shard-slow")
+    assert "shard-slow" in client.transport.router.handles
     _returns(client.lookup, keys)
     assert handles["shard-slow"].calls == 2
 
 
 def test_router_without_late_still_marks_a_timed_out_shard_failed(setup):
     client, _, keys = setup
-    router = client.router
+    router = client.transport.router
     groups = router.groups(keys)
     out = _returns(lambda: router.call(groups, "lookup", lambda idx: (
         [str(keys[i]) for i in idx], True, False, [False] * len(idx)), 0.2))

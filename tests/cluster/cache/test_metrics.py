@@ -93,7 +93,7 @@ def evicted_and_corrupted(mclient, kvconfig, shards):
     evicted = {}
     for name in shards:
         h = get_shard(name, ns)
-        mine = [k for k in keys if client.router.placement.owner(str(k)) == name]
+        mine = [k for k in keys if client.transport.router.placement.owner(str(k)) == name]
         found = ray.get(h.lookup.remote([str(k) for k in mine], False))
         evicted[name] = [k for k, f in zip(mine, found, strict=True) if f is not None and f[0] == "disk"]
     victim_shard = max(evicted, key=lambda n: len(evicted[n]))
@@ -113,7 +113,7 @@ def test_evicted_chunks_come_back_from_disk_and_corruption_is_a_miss(mclient, ev
     client = mclient
     keys, kvs, bad, good = evicted_and_corrupted
     client._meta.clear()
-    client._objects.clear()
+    client.drop_objects()
     before = client.stats()
     errors_before = sum(s["counters"]["read_errors"] for s in before["shards"].values())
     got = client.fetch_layer([good, bad], 3).result(60)
@@ -128,7 +128,7 @@ def test_metrics_scraped_with_plausible_values(mclient, evicted_and_corrupted):
     client = mclient
     keys, _, _, _ = evicted_and_corrupted
     client._meta.clear()
-    client._objects.clear()
+    client.drop_objects()
     client.lookup(keys + [make_key(99999)])  # hits, a miss, and prefetch of evicted chunks
     time.sleep(1.0)
     client.fetch_layer(keys, 0).result(60)  # get latency, prefetch hits

@@ -51,16 +51,16 @@ def _planted_then_signed(cfg, redis, use_key) -> None:
     client = CacheClient(cfg, NAMESPACE)
     try:
         assert client.lookup([planted_key]) == [None]  # the owner shard refused it
-        stats = client.shard_stats()
+        stats = client.stats()["shards"]
         assert sum(s["counters"].get("read_errors", 0) for s in stats.values()) >= 1
         # the client's own direct Redis lookup (every shard presumed dead) refuses it as well
         reader = CacheClient(cfg, NAMESPACE)
-        reader.router.suspect.update({name: math.inf for name in stats})
+        reader.transport.router.suspect.update({name: math.inf for name in stats})
         assert reader.lookup([planted_key]) == [None]
         reader.close()
         use_key(None)  # control: a process without a key takes it from Redis
         reader = CacheClient(cfg, NAMESPACE)
-        reader.router.suspect.update({name: math.inf for name in stats})
+        reader.transport.router.suspect.update({name: math.inf for name in stats})
         assert reader.lookup([planted_key])[0].tier == "redis"
         reader.close()
         use_key(OBJECT_KEY_A)
@@ -119,8 +119,8 @@ def _forgery_is_what_it_claims(forged: bytes) -> None:
 @pytest.fixture
 def agent_over_signed_shards(ray_cluster, tmp_path):
     """Signed shards over a Redis of their own (killed by the test), and the connector's
-    default client on them: ``(config, redis process, AgentClient)``."""
-    from cluster.cache.agent_client import AgentClient
+    default client on them: ``(config, redis process, the agent-chain client)``."""
+    from cluster.cache.factory import agent_client
     from cluster.cache.local import LocalCacheClient
 
     cluster, _ = ray_cluster
@@ -130,7 +130,7 @@ def agent_over_signed_shards(ray_cluster, tmp_path):
         import os
 
         os.environ["KVBLEND_OBJECT_KEY"] = OBJECT_KEY_A  # the agent's key: it inherits ours
-        client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+        client = agent_client(cfg, NAMESPACE, LocalCacheClient())
         try:
             yield cfg, redis, client
         finally:
@@ -147,7 +147,7 @@ def test_a_forged_redis_object_is_a_miss_through_the_agent_while_its_owner_is_de
     from tiers.redis_tier import RedisTier
 
     cfg, redis, client = agent_over_signed_shards
-    assert client.up
+    assert client.transports[0].up
     key, kv = make_key(9800), shard_kv(9800)
     writer = CacheClient(cfg, NAMESPACE)
     try:
@@ -159,12 +159,12 @@ def test_a_forged_redis_object_is_a_miss_through_the_agent_while_its_owner_is_de
         forged = forge_layer(stored)
         _forgery_is_what_it_claims(forged)
         tier._client.set(tier._rkey(key), forged)
-        (owner,) = writer.router.groups([key])
-        ray.kill(writer.router.handle(owner), no_restart=True)
+        (owner,) = writer.transport.router.groups([key])
+        ray.kill(writer.transport.router.handle(owner), no_restart=True)
     finally:
         writer.close()
     assert client.lookup([key])[0] is not None  # the header, read from Redis, is genuine
     layers = [client.fetch_layer([key], i).result(60)[0] for i in range(kv.shape[0])]
     assert layers == [None] * kv.shape[0], "a forged layer reached the engine"
     assert client.counters["layer_misses"] == kv.shape[0]
-    assert client.stats()["agent"]["shared_rejected"] >= 1
+    assert client.counters["read_errors"] >= 1  # the forged copy, read from Redis by this process

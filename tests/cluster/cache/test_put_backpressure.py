@@ -1,16 +1,19 @@
-"""Bounded puts (issue #20): the client's pending puts and the shard's write-downs stop at
+"""Bounded puts (issue #20): the client's unsettled puts and the shard's write-downs stop at
 their bound, drop the newest and count it, and never make the caller wait — without Ray.
 
-``ShardWriter`` gets a stand-in router whose shard's ``put.remote`` returns a ref that does not
-settle until the test says so (``ray.wait``/``ray.get`` patched to read those refs).
-``CacheShard`` is built in-process as in ``test_shard_prefetched.py``, with a lower stack whose
-writes block. The only timing is a hang guard: each call must return within 10 s.
+The client's bound is one for every transport: a stand-in transport whose puts settle only when
+the test says so. ``ShardWriter`` (the Ray transport's sends) gets a stand-in router whose
+shard's ``put.remote`` returns a ref that settles when the test says so (its ``future()`` a
+real ``concurrent.futures.Future``; ``ray.wait`` patched to read those refs). ``CacheShard`` is
+built in-process as in ``test_shard_prefetched.py``, with a lower stack whose writes block.
+The only timing is a hang guard: each call must return within 10 s.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,13 +29,86 @@ from tiers.config import TiersConfig
 pytestmark = pytest.mark.unit
 
 
-# -- ShardWriter ----------------------------------------------------------------------------------
+# -- the client's bound ---------------------------------------------------------------------------
+class _HeldPuts:
+    """A transport whose puts settle only when :meth:`settle` says so."""
+
+    name, counters, remote, compress, up, keep_bytes, threaded = "held", (), False, False, True, 0, False
+
+    def __init__(self) -> None:
+        self.sent: list = []  # (request, done)
+
+    def bind(self, host) -> None:
+        pass
+
+    def put(self, request, done) -> bool:
+        self.sent.append((request, done))
+        return True
+
+    def settle(self, n: int) -> None:
+        for _request, done in self.sent[:n]:
+            done(True)
+
+    def close(self) -> None:
+        pass
+
+
+def _kv(i: int, num_tokens: int = 4) -> torch.Tensor:
+    return make_kv(i, dtype=torch.float32)[:, :, :num_tokens]
+
+
+def test_client_keeps_at_most_n_puts_unsettled_and_drops_the_newest(monkeypatch):
+    from cluster.cache.client import CacheClient
+
+    cap = 4
+    monkeypatch.setattr(puts_mod, "MAX_PENDING_PUTS", cap)
+    transport = _HeldPuts()
+    client = CacheClient(None, transports=[transport])
+    keys = [make_key(i) for i in range(3 * cap)]
+    for i, k in enumerate(keys):  # nothing settles
+        returns_within(client.put, k, _kv(i))
+    assert [r.key for r, _ in transport.sent] == keys[:cap]  # the oldest were sent
+    assert client.counters["puts"] == cap and client.counters["puts_dropped"] == 2 * cap
+    transport.settle(2)  # two settle: two new puts fit again
+    for i, k in enumerate(keys[cap:cap + 3]):
+        returns_within(client.put, k, _kv(cap + i))
+    assert len(transport.sent) == cap + 2 and client.counters["puts_dropped"] == 2 * cap + 1
+    client.close()
+
+
+def test_client_bounds_unsettled_bytes_and_drops_before_encoding(monkeypatch):
+    from cluster.cache import client as client_mod
+
+    transport = _HeldPuts()
+    client = client_mod.CacheClient(None, transports=[transport])
+    size = len(encode_kv(make_key(0), _kv(0)))
+    monkeypatch.setattr(puts_mod, "MAX_PENDING_PUT_BYTES", int(2.5 * size))
+    for i in range(5):
+        returns_within(client.put, make_key(i), _kv(i))
+    assert len(transport.sent) == 2 and client.counters["puts_dropped"] == 3  # a third would pass the bound
+    monkeypatch.setattr(client_mod, "encode_kv", lambda *a, **k: pytest.fail("encoded past the bound"))
+    client.put(make_key(9), _kv(9))
+    assert client.counters["puts_dropped"] == 4
+    monkeypatch.undo()
+    transport.settle(2)
+    big = make_key(99)
+    returns_within(client.put, big, make_kv(99, dtype=torch.float32))  # alone, over the bound: still sent
+    assert transport.sent[-1][0].key == big
+    client.close()
+
+
 class _Ref:
-    """A put call's ref: settles (True) when the test releases it."""
+    """A put call's ref: its future settles (True) when the test releases it."""
 
     def __init__(self, key_text: str) -> None:
         self.key_text = key_text
-        self.settled = threading.Event()
+        self.fut: Future = Future()
+
+    def future(self) -> Future:
+        return self.fut
+
+    def settle(self, stored: bool = True) -> None:
+        self.fut.set_result(stored)
 
 
 class _Shard:
@@ -41,17 +117,11 @@ class _Shard:
     def __init__(self) -> None:
         self.refs: list[_Ref] = []
         self.put = SimpleNamespace(remote=self._put)
-        self.drain = SimpleNamespace(remote=self._drain)
-
-    def _drain(self, timeout_s):  # no writes to lower tiers behind these puts: answers at once
-        ref = _Ref("drain")
-        ref.settled.set()
-        return ref
+        self.drain = SimpleNamespace(remote=lambda timeout_s: True)  # no lower tiers behind these puts
 
     def _put(self, key_text, arr):
-        ref = _Ref(key_text)
-        self.refs.append(ref)
-        return ref
+        self.refs.append(_Ref(key_text))
+        return self.refs[-1]
 
 
 class _Router:
@@ -68,61 +138,25 @@ class _Router:
         return self.shard
 
 
-@pytest.fixture
-def writer(monkeypatch):
+def test_writer_settles_each_put_once_counts_refusals_and_flush_waits_for_every_one(monkeypatch):
     import ray
 
-    def wait(refs, num_returns=1, timeout=None):
-        done = [r for r in refs if r.settled.is_set()]
-        return done, [r for r in refs if not r.settled.is_set()]
-
-    monkeypatch.setattr(ray, "wait", wait)
-    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref.settled.is_set())
-    shard = _Shard()
-    counts: Counter = Counter()
-    w = puts_mod.ShardWriter(_Router(shard), lambda name, n: counts.update({name: n}))
-    return w, shard, counts
-
-
-def test_writer_keeps_at_most_n_puts_pending_and_drops_the_newest(writer, monkeypatch):
-    w, shard, counts = writer
-    cap = 4
-    monkeypatch.setattr(puts_mod, "MAX_PENDING_PUTS", cap)
-    keys = [make_key(i) for i in range(3 * cap)]
-    for k in keys:  # the shard answers none of them
-        returns_within(w.send, k, b"x" * 16)
-    assert [r.key_text for r in shard.refs] == [str(k) for k in keys[:cap]]  # the oldest were sent
-    assert counts["puts"] == cap
-    assert counts["puts_dropped"] == 2 * cap and w.puts_dropped == 2 * cap
-    assert counts["put_errors"] == 0
-    assert all(w.in_flight(k) for k in keys[:cap]) and not any(w.in_flight(k) for k in keys[cap:])
-
-    for r in shard.refs[:2]:  # two settle: two new puts fit again (settled without waiting)
-        r.settled.set()
-    for k in keys[cap:cap + 3]:
-        returns_within(w.send, k, b"x" * 16)
-    assert len(shard.refs) == cap + 2
-    assert counts["puts_dropped"] == 2 * cap + 1
-
-    for r in shard.refs:  # flush still waits for every put that was sent (drain: none)
-        r.settled.set()
-    assert returns_within(w.flush, 5.0) is True
-    assert not any(w.in_flight(k) for k in keys)
-
-
-def test_writer_bounds_pending_bytes(writer, monkeypatch):
-    w, shard, counts = writer
-    # raising=False: the code before the bound has no such constant (and no bound)
-    monkeypatch.setattr(puts_mod, "MAX_PENDING_PUT_BYTES", 1000, raising=False)
-    for i in range(5):
-        returns_within(w.send, make_key(i), b"x" * 400)
-    assert len(shard.refs) == 2  # 800 bytes pending; a third 400 would pass 1000
-    assert counts["puts_dropped"] == 3
-    big = make_key(99)
-    for r in shard.refs:
-        r.settled.set()
-    returns_within(w.send, big, b"x" * 5000)  # alone, an object over the bound is still sent
-    assert shard.refs[-1].key_text == str(big)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
+        [r for r in refs if r.fut.done()], [r for r in refs if not r.fut.done()]))
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)  # drain answers True
+    shard, counts, settled = _Shard(), Counter(), []
+    writer = puts_mod.ShardWriter(_Router(shard), lambda name, n: counts.update({name: n}))
+    keys = [make_key(i) for i in range(3)]
+    for k in keys:
+        assert returns_within(writer.send, k, b"x" * 16, settled.append) is True
+    assert not returns_within(writer.send, keys[0], b"x" * 16, settled.append)  # in flight: not twice
+    assert all(writer.in_flight(k) for k in keys) and settled == []
+    assert returns_within(writer.flush, 0.0) is False  # unsettled puts: not flushed
+    shard.refs[0].settle(True)
+    shard.refs[1].settle(False)  # the shard refused it
+    assert settled == [True, False] and counts["put_errors"] == 1 and not writer.in_flight(keys[0])
+    shard.refs[2].settle(True)
+    assert returns_within(writer.flush, 5.0) is True and not any(writer.in_flight(k) for k in keys)
 
 
 # -- CacheShard write-down ----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def test_new_shards_move_keys_which_become_counted_misses(ray_cluster, tmp_path_
         old, new = Placement(first), Placement(both)
         moved = [k for k in keys if old.owner(str(k)) != new.owner(str(k))]
         assert 0 < len(moved) <= 1.5 * len(keys) * 2 / 4  # 2 of 4 shards are new
-        client.router.refresh(force=True)
+        client.transport.router.refresh(force=True)
         assert client.counters["placement_moves"] == len(moved)
         metas = client.lookup(keys)
         for k, m in zip(keys, metas, strict=True):

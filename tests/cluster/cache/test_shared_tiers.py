@@ -44,7 +44,7 @@ def test_chunk_re_encoded_below_memory_is_sliced_with_its_own_header(redis_setup
 
     owner = reader._meta[key].shard
     fillers = [k for k in (make_key(8100 + j) for j in range(400))
-               if reader.router.placement.owner(str(k)) == owner][:12]
+               if reader.transport.router.placement.owner(str(k)) == owner][:12]
     for i, k in enumerate(fillers):  # 12 x 512 KiB of random KV through a 4 MiB host tier
         client.put(k, shard_kv(8100 + i, num_tokens=2048))
     assert client.flush(60)
@@ -52,7 +52,7 @@ def test_chunk_re_encoded_below_memory_is_sliced_with_its_own_header(redis_setup
 
     got = [reader.fetch_layer([key], layer).result(60)[0] for layer in range(4)]
     assert all(g is not None and torch.equal(g, kv[i]) for i, g in enumerate(got))
-    mapped_header = reader._objects[key][1]
+    mapped_header = reader.objects.get(key)[1]
     assert any(e.codec == 1 for e in mapped_header.layers)  # the lz4 copy was mapped
     assert reader.counters["read_errors"] == 0 and reader.counters["direct_reads"] == 0
     reader.close()
@@ -76,7 +76,7 @@ def test_dead_owner_is_served_from_redis_and_redis_down_is_a_miss(redis_setup):
     dead_idx = [i for i, k in enumerate(keys) if client._meta[k].shard == dead]
     live_idx = [i for i in range(10) if i not in dead_idx]
     reader = CacheClient(cfg, NAMESPACE)
-    reader.router.suspect[dead] = math.inf
+    reader.transport.router.suspect[dead] = math.inf
     metas = reader.lookup(keys)
     for i, m in enumerate(metas):
         assert m is not None
@@ -95,7 +95,7 @@ def test_dead_owner_is_served_from_redis_and_redis_down_is_a_miss(redis_setup):
             assert torch.equal(g, kvs[i][1])
     # puts keep working (host tier) while Redis is down
     new_key = next(k for k in (make_key(9100 + j) for j in range(50))
-                   if reader.router.placement.owner(str(k)) != dead)
+                   if reader.transport.router.placement.owner(str(k)) != dead)
     reader.put(new_key, shard_kv(1))
     reader.flush(30)  # the Redis write fails (counted on the shard); nothing raises
     assert reader.contains([new_key]) == [True]
@@ -161,7 +161,7 @@ def test_dead_owner_is_served_from_s3_and_s3_down_is_a_miss(s3_setup):
     dead = client._meta[keys[0]].shard
     dead_idx = [i for i, k in enumerate(keys) if client._meta[k].shard == dead]
     reader = CacheClient(cfg, NAMESPACE)
-    reader.router.suspect[dead] = math.inf
+    reader.transport.router.suspect[dead] = math.inf
     metas = reader.lookup(keys)
     assert [m.tier for m in metas] == ["s3" if i in dead_idx else "host" for i in range(8)]
     got = reader.fetch_layer(keys, 3).result(60)
@@ -169,7 +169,7 @@ def test_dead_owner_is_served_from_s3_and_s3_down_is_a_miss(s3_setup):
 
     stack.close()  # the S3 endpoint goes away: after the tier's retries, those reads miss
     fresh = CacheClient(cfg, NAMESPACE)
-    fresh.router.suspect[dead] = math.inf
+    fresh.transport.router.suspect[dead] = math.inf
     metas = fresh.lookup(keys)
     assert [m is not None for m in metas] == [i not in dead_idx for i in range(8)]
     for c in (client, reader, fresh):

@@ -183,25 +183,25 @@ def test_a_large_frame_that_keeps_moving_is_not_cut_by_the_send_deadline():
 
 
 def test_a_link_lost_before_its_client_stored_it_is_not_kept_as_live(monkeypatch):
-    """The agent died right after its hello (its link closed before AgentClient stored it):
+    """The agent died right after its hello (its link closed before its transport stored it):
     the client counts it lost and serves its fallback, instead of keeping a dead link that
     refused every later call and was never replaced."""
-    from cluster.cache.agent_client import AgentClient
+    from cluster.cache.factory import agent_client
     from cluster.cache.local import LocalCacheClient
     from cluster.config import load_config
     from tests.factories import NAMESPACE, make_key
 
     cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
-    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+    client = agent_client(cfg, NAMESPACE, LocalCacheClient())
     try:
         link, peer, _, _ = _link()
         peer.close()  # the agent is gone: the reader closes the link at once
         assert returns_within(lambda: [link.closed or threading.Event().wait(0.05) for _ in range(200)]
                               and link.closed, hang_s=30)
-        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
-        monkeypatch.setattr(client, "_spawn", lambda timeout_s, shards_wait_s: (link, "1 shard(s)"))
-        client._start(5.0)
-        assert not client.up and client.counters["agent_exits"] == 1
+        monkeypatch.setattr(client.transports[0], "_address", lambda: "127.0.0.1:2")
+        monkeypatch.setattr(client.transports[0], "_spawn", lambda timeout_s, shards_wait_s: (link, "1 shard(s)"))
+        client.transports[0]._start(5.0)
+        assert not client.transports[0].up and client.counters["agent_exits"] == 1
         assert client.lookup([make_key(1)]) == [None]  # the fallback answers
     finally:
         monkeypatch.undo()
@@ -217,42 +217,42 @@ def test_an_unreachable_head_is_probed_every_second_and_a_failed_agent_backs_off
     import time
 
     from cluster.cache import agent_life
-    from cluster.cache.agent_client import AgentClient
     from cluster.cache.agent_life import BACKOFF_S, SHARDS_WAIT_S
+    from cluster.cache.factory import agent_client
     from cluster.cache.local import LocalCacheClient
     from cluster.config import load_config
     from tests.factories import NAMESPACE
 
     cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
-    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())  # 127.0.0.1:1 refuses: no spawn
-    client._stop.set()  # its watcher ends: the starts below are this test's alone
+    client = agent_client(cfg, NAMESPACE, LocalCacheClient())  # 127.0.0.1:1 refuses: no spawn
+    client.transports[0]._stop.set()  # its watcher ends: the starts below are this test's alone
     try:
         def wait_after_start() -> float:
-            return client._next_start - time.monotonic()
+            return client.transports[0]._next_start - time.monotonic()
 
-        assert not client.up and 0 < wait_after_start() <= BACKOFF_S[0]
+        assert not client.transports[0].up and 0 < wait_after_start() <= BACKOFF_S[0]
         for _ in range(3):  # still down: a probe a second, never more
-            client._start(5.0)
+            client.transports[0]._start(5.0)
             assert 0 < wait_after_start() <= BACKOFF_S[0]
         asked = []
-        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
-        monkeypatch.setattr(client, "_spawn", lambda timeout_s, shards_wait_s: (
+        monkeypatch.setattr(client.transports[0], "_address", lambda: "127.0.0.1:2")
+        monkeypatch.setattr(client.transports[0], "_spawn", lambda timeout_s, shards_wait_s: (
             asked.append(shards_wait_s), (None, "no cache shards"))[1])
         waits = []
         for _ in range(7):
-            client._start(5.0)
+            client.transports[0]._start(5.0)
             waits.append(wait_after_start())
         assert waits[0] <= BACKOFF_S[0] and all(b > a for a, b in zip(waits[:4], waits[1:5], strict=True))
         assert max(waits) <= BACKOFF_S[1] and waits[-1] > BACKOFF_S[1] / 2
-        monkeypatch.setattr(client, "_address", lambda: None)
-        client._start(5.0)
-        assert 0 < wait_after_start() <= BACKOFF_S[0] and client._backoff == BACKOFF_S[0]
+        monkeypatch.setattr(client.transports[0], "_address", lambda: None)
+        client.transports[0]._start(5.0)
+        assert 0 < wait_after_start() <= BACKOFF_S[0] and client.transports[0]._backoff == BACKOFF_S[0]
 
         # a call while down starts the next agent in the background, asking it to wait for shards
-        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
-        client._next_start = 0.0
+        monkeypatch.setattr(client.transports[0], "_address", lambda: "127.0.0.1:2")
+        client.transports[0]._next_start = 0.0
         asked.clear()
-        assert client._agent() is None
+        assert client.transports[0]._agent() is None
         assert returns_within(lambda: [asked or time.sleep(0.05) for _ in range(400)] and asked, hang_s=30)
         assert asked == [SHARDS_WAIT_S] and agent_life.SHARDS_WAIT_S > 0
     finally:
@@ -266,18 +266,18 @@ def test_the_watcher_starts_an_agent_without_a_call(monkeypatch):
     it to wait for shards; it stops with the client."""
     import time
 
-    from cluster.cache.agent_client import AgentClient
     from cluster.cache.agent_life import SHARDS_WAIT_S
+    from cluster.cache.factory import agent_client
     from cluster.cache.local import LocalCacheClient
     from cluster.config import load_config
     from tests.factories import NAMESPACE
 
     cfg = load_config(environ={}, overrides={"ray_address": "127.0.0.1:1"})
-    client = AgentClient(cfg, NAMESPACE, LocalCacheClient())
+    client = agent_client(cfg, NAMESPACE, LocalCacheClient())
     asked = []
     try:
-        monkeypatch.setattr(client, "_address", lambda: "127.0.0.1:2")
-        monkeypatch.setattr(client, "_spawn", lambda timeout_s, shards_wait_s: (
+        monkeypatch.setattr(client.transports[0], "_address", lambda: "127.0.0.1:2")
+        monkeypatch.setattr(client.transports[0], "_spawn", lambda timeout_s, shards_wait_s: (
             asked.append(shards_wait_s), (None, "no cache shards"))[1])
         assert returns_within(lambda: [asked or time.sleep(0.05) for _ in range(600)] and asked, hang_s=60)
         assert asked[0] == SHARDS_WAIT_S and client.counters["agent_down_calls"] == 0  # no call made
@@ -286,4 +286,4 @@ def test_the_watcher_starts_an_agent_without_a_call(monkeypatch):
         monkeypatch.undo()
     n = len(asked)
     time.sleep(2.5)  # past two watcher periods: none after close (not a timing assertion on the code)
-    assert len(asked) <= n + 1 and client._stop.is_set()
+    assert len(asked) <= n + 1 and client.transports[0]._stop.is_set()

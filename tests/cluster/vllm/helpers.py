@@ -169,3 +169,17 @@ def plan_spans(tokenizer, ids, spans):
 def chunk_tokens_of(tokenizer, ids, spans) -> int:
     """Tokens of the chunks the connector plans for ``ids`` (the first segment included)."""
     return sum(e - s for kind, s, e in plan_spans(tokenizer, ids, spans) if kind == "chunk")
+
+
+def use_client(llm, client, monkeypatch) -> None:
+    """Route the in-process engine's scheduler lookups and worker reads and stores through
+    ``client``; no gpu tier (every layer is read from the client)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().connector_worker
+    worker._engine_for_worker()  # builds the worker's source
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
+    for obj in (worker, scheduler, worker._source, worker.stores):
+        monkeypatch.setattr(obj, "client", client)
+    monkeypatch.setattr(worker._source, "reader", client)  # the CPU worker reads the client directly
+    monkeypatch.setattr(worker._source, "gpu", None)

@@ -25,6 +25,7 @@ from tests.cluster.vllm.helpers import (
     generate,
     one_node_ray_cache,
     passage,
+    use_client,
     wait_restarted,
     wait_stored,
 )
@@ -44,20 +45,6 @@ def ray_redis_cache(redis_server, tmp_path_factory):
         yield load_config(environ={}, overrides=overrides), name
 
 
-def _use_client(llm, client, monkeypatch) -> None:
-    """Route the engine's scheduler lookups and worker reads and stores through ``client``;
-    no gpu tier (every layer is read from the client)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker = get_kv_transfer_group().connector_worker
-    worker._engine_for_worker()  # builds the worker's source
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
-    for obj in (worker, scheduler, worker._source, worker.stores):
-        monkeypatch.setattr(obj, "client", client)
-    monkeypatch.setattr(worker._source, "reader", client)  # the CPU worker reads the client directly
-    monkeypatch.setattr(worker._source, "gpu", None)
-
-
 def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, seed: int, redis=None,
                        freeze: bool = False):
     """Store 3 passages, then request them reordered; the first layer read kills the shard
@@ -73,7 +60,7 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     worker = get_kv_transfer_group()
     namespace = worker.namespace_digest
     writer = CacheClient(config, namespace=namespace)
-    _use_client(llm, writer, monkeypatch)
+    use_client(llm, writer, monkeypatch)
     texts = [passage(seed + i, num_sentences=8) for i in range(3)]
     cold_ids, _ = build_blend_prompt(tokenizer, SYSTEM, texts, "Question: warm?")
     cold = generate(llm, cold_ids)
@@ -81,7 +68,7 @@ def _blend_with_faults(llm, stats_path, tokenizer, config, shard, monkeypatch, s
     assert writer.flush(60)  # the shard's write-through to Redis included
 
     reader = CacheClient(config, namespace=namespace)  # nothing mapped: reads go to the shard
-    _use_client(llm, reader, monkeypatch)
+    use_client(llm, reader, monkeypatch)
     handle = get_shard(shard, config.cluster.ray_namespace)
     old_pid = ray.get(handle.ready.remote())["pid"]
     real_fetch = reader._fetch  # noqa: SLF001 - the one per-layer read both fetch paths use

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from blend.protocols import KVSource, fetch_each
-from cluster.cache.local import DeferredRead, LocalCacheClient
+from cluster.cache.local import LocalCacheClient
+from cluster.cache.ops import DeferredRead
 from cluster.vllm.worker_source import WorkerKVSource, build_worker_source
 from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
