@@ -1,8 +1,10 @@
 """The serving process's estimates of what loading and computing cost (issue 34), kept up to
 date from its own requests: :class:`CostEstimator` implements :class:`blend.cost.CostEstimates`.
 
-* **Compute.** A request's compute is modelled as ``seconds = c0 + s * W`` (one fit for
-  blends, one for prefills: a blend has more fixed cost, launches and selection) with
+* **Compute.** A prefill's compute is modelled as ``seconds = c0 + s * W`` and a blend's as
+  the same ``s * W`` plus a blend's own fixed cost (launches, the probe, selection: the least
+  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends; on a GPU a blend that waited
+  for its layers shows the wait in its host-side compute time, so only the least is kept), with
   ``W = rows * (k_lin + keys / 2)``: ``rows`` computed per layer (mean over layers), each
   through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
   key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -51,6 +54,8 @@ DEFAULT_PRIOR = (0.01, 1e9)
 ALPHA = 0.3
 #: forgetting factor of the compute fit (per sample)
 FORGET = 0.9
+#: recent blends whose least overhead over the prefill rate is a blend's fixed cost
+BLEND_WINDOW = 32
 #: plans in a row with hits in a tier and none loaded before that tier is explored
 EXPLORE_AFTER = 8
 #: tier names counted on /metrics as they are (any other is counted as "other")
@@ -152,6 +157,7 @@ class CostEstimator:
         self._priors = {**PRIORS, **(priors or {})}
         self._tiers: dict[str, list[float]] = {}     # tier -> [latency s, seconds per byte]
         self._fits = {BLEND: _Fit(), PREFILL: _Fit()}
+        self._blends: deque[tuple[float, float]] = deque(maxlen=BLEND_WINDOW)  # recent (W, seconds)
         self._unexplored: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -166,9 +172,25 @@ class CostEstimator:
         return float(rows) * (self.k_lin + keys / 2.0)
 
     def compute_s(self, rows: float, keys: int) -> float:
-        """A blend's compute: ``rows`` per layer over a ``keys``-token prompt."""
+        """A blend's compute: ``rows`` per layer over a ``keys``-token prompt, at the prefill
+        fit's cost per unit of work plus a blend's own fixed cost (:meth:`blend_overhead_s`);
+        the blend fit alone until a prefill was measured."""
         with self._lock:
-            return self._fits[BLEND](self.work(rows, keys))
+            w = self.work(rows, keys)
+            if not self._fits[PREFILL].known:
+                return self._fits[BLEND](w)
+            return self._overhead() + self._fits[PREFILL].s * w
+
+    def _overhead(self) -> float:
+        """The least ``seconds - s_prefill * W`` over the recent blends (>= 0): a blend's fixed
+        cost (launches, the probe, selection). The least, not the mean: a blend that waited for
+        its layers on the device (the host sees the wait in its compute time) only adds."""
+        s = self._fits[PREFILL].s
+        return max(0.0, min((sec - s * w for w, sec in self._blends), default=0.0))
+
+    def blend_overhead_s(self) -> float:
+        with self._lock:
+            return self._overhead()
 
     def prefill_s(self, tokens: int) -> float:
         """Full prefill of ``tokens``: the prefill fit, or the blend fit over every row until a
@@ -206,6 +228,8 @@ class CostEstimator:
             return
         with self._lock:
             self._fits[kind].add(w, seconds)
+            if kind == BLEND:
+                self._blends.append((w, seconds))
 
     def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float) -> None:
         if not 0 < seconds < float("inf"):
@@ -240,7 +264,7 @@ class CostEstimator:
     def snapshot(self) -> dict:
         """The current estimates (for the event log): compute fit and per tier latency / GB/s."""
         with self._lock:
-            return {**{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
+            return {"blend_overhead_s": self._overhead(), **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
                     **{f"{k}_s_per_work": f.s for k, f in self._fits.items()},
                     "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}
                               for t, (lat, spb) in sorted(self._tiers.items())}}

@@ -122,3 +122,15 @@ def test_a_blends_fixed_cost_is_its_own_so_short_prompts_go_to_full_prefill():
     short, long = _plan(["host"], tokens=300), _plan(["host"] * 16, tokens=2000)
     assert choose(short, est, kv_bytes_per_token=1, num_layers=LAYERS).full_prefill
     assert not choose(long, est, kv_bytes_per_token=1, num_layers=LAYERS).full_prefill
+
+
+def test_a_blend_that_waited_for_its_layers_does_not_raise_the_price_of_the_next():
+    """On a GPU a blend whose layers came late shows the wait in its host-side compute time:
+    only the least excess over the prefill rate counts as a blend's fixed cost."""
+    est = CostEstimator(k_lin=100.0)
+    for keys in (500, 1000, 2000):
+        est.add_compute(keys, keys, 1e-8 * est.work(keys, keys), "prefill")
+    est.add_compute(300, 2000, 0.01 + 1e-8 * est.work(300, 2000), "blend")      # computed only
+    est.add_compute(300, 2000, 0.9 + 1e-8 * est.work(300, 2000), "blend")       # waited 0.9 s
+    assert est.blend_overhead_s() == pytest.approx(0.01)
+    assert est.compute_s(300, 2000) == pytest.approx(0.01 + 1e-8 * est.work(300, 2000))
