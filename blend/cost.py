@@ -25,7 +25,10 @@ fast ones load: Cake (Jin et al., arXiv 2410.03065) computes the front of a prom
 back loads; here the split falls per chunk, in CacheBlend's pipeline, wherever the prices say.
 
 Until the estimates know the compute speed (``compute_known`` false: no request measured yet)
-every hit is loaded, as before this choice existed. ``explore``: tiers to load at least one
+every hit is loaded, as before this choice existed. So is every hit of a plan whose recompute
+ratio is 1.0: it recomputes every row anyway, so it is never sooner than full prefill; it is
+the check that blending with loaded KV equals full prefill (LMCache's blend recipe, the
+oracle tests), and what it asks for is loading. ``explore``: tiers to load at least one
 chunk of (their fastest) whatever the prices, so a tier that was slow and recovered is
 measured again (the caller decides which; :mod:`cluster.vllm.costs` does, every few plans).
 
@@ -42,9 +45,7 @@ from typing import Protocol
 from blend.plan import CHUNK, BlendPlan
 
 #: a choice other than loading every hit must be expected this much sooner (a share of the
-#: always-load time): estimates are noisy, and a ratio-1.0 blend, which recomputes every row
-#: anyway, costs full prefill plus the last layer's transfer, so it keeps loading (its hits are
-#: what the oracle checks exercise)
+#: always-load time): estimates are noisy
 MARGIN = 0.1
 
 
@@ -113,9 +114,9 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
 
     Returns:
         The choice, or None when there is nothing to choose (no hit, the plan does not blend,
-        or the compute speed is not known yet: every hit is loaded).
+        recomputes every row, or the compute speed is not known yet: every hit is loaded).
     """
-    if not plan.blend or not estimates.compute_known:
+    if not plan.blend or not estimates.compute_known or min(plan.recompute_ratios, default=0.0) >= 1.0:
         return None
     hits = [(i, s) for i, s in enumerate(plan.segments)
             if s.kind == CHUNK and s.hit and s.end <= plan.blend_end]

@@ -18,9 +18,15 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
   ``s3``): ``seconds = latency + bytes / bandwidth``, tiers read one after another (one pipe:
   the shard, the agent, shared memory and staging are shared). Priors: :data:`PRIORS` (a
   conservative guess per tier, replaced by what is measured). A sample is a blend's bytes per
-  tier and the seconds from asking for its layers to the last layer's arrival; the seconds are
-  shared out among the tiers in proportion to what the estimates predicted for each, and each
-  tier's seconds per byte moves :data:`ALPHA` of the way to its share.
+  tier and an interval: the transfer took at least the seconds the engine waited for layers
+  and at most the seconds from asking for its layers to the last layer's arrival. Not one
+  number: sources read when the engine asks (a machine-local client reads inside the wait) or
+  stage a bounded ring of layers ahead, so the last layer's arrival follows the engine's
+  compute, and a pipe that kept up looks as slow as the compute (the engine lane's CPU runs:
+  host reads priced at the compute's speed, chunks recomputed instead of loaded in ~1 ms). The
+  interval is shared out among the tiers in proportion to what the estimates predicted for
+  each, and a tier's seconds per byte moves :data:`ALPHA` of the way toward its share only
+  when its prediction lies outside it.
 * **Exploration.** A tier whose chunks the planner keeps recomputing is no longer measured; after
   :data:`EXPLORE_AFTER` plans in a row that had hits there and loaded none, :meth:`explore`
   names it and the next plan loads one chunk of it (the planner's ``explore``).
@@ -106,11 +112,13 @@ class CostSamples:
     Attributes:
         compute: ``(rows per layer, keys, seconds, kind)`` per blend (kind :data:`BLEND`) or
             prefill (:data:`PREFILL`).
-        transfer: ``({tier: bytes}, seconds)`` per blend that loaded chunks.
+        transfer: ``({tier: bytes}, seconds, waited)`` per blend that loaded chunks: seconds
+            from asking for its layers to the last one's arrival, and seconds the engine waited
+            for them (the transfer took between the two).
     """
 
     compute: list[tuple[float, int, float, str]] = field(default_factory=list)
-    transfer: list[tuple[dict[str, int], float]] = field(default_factory=list)
+    transfer: list[tuple[dict[str, int], float, float]] = field(default_factory=list)
 
     def merge(self, other: CostSamples) -> CostSamples:
         return CostSamples(self.compute + other.compute, self.transfer + other.transfer)
@@ -128,8 +136,8 @@ def kv_bytes_per_token(spec, itemsize: int) -> int:
 def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: int = 0) -> CostSamples:
     """What one blend or prefill measured (its :class:`blend.result.BlendCounters`), as samples:
     its compute (rows per layer, ``keys`` tokens, load waits excluded) and, for a blend of
-    ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token) and the
-    seconds to the last layer's arrival. Called by the vLLM worker after each blend and prefill,
+    ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token), the
+    seconds to the last layer's arrival and the seconds the engine waited for layers. Called by the vLLM worker after each blend and prefill,
     and by ``kvblend bench gpu --placement`` the same way."""
     out = CostSamples()
     rows = counters.recomputed_tokens_per_layer
@@ -140,7 +148,7 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
         by_tier: dict[str, int] = {}
         for seg in plan.hit_segments:
             by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
-        out.transfer.append((by_tier, counters.transfer_s))
+        out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s)))
     return out
 
 
@@ -219,8 +227,8 @@ class CostEstimator:
         """Fold a worker step's measurements in (bad samples — non-positive or non-finite — are skipped)."""
         for rows, keys, seconds, kind in samples.compute:
             self.add_compute(rows, keys, seconds, kind)
-        for by_tier, seconds in samples.transfer:
-            self.add_transfer(by_tier, seconds)
+        for by_tier, seconds, *waited in samples.transfer:
+            self.add_transfer(by_tier, seconds, *waited)
 
     def add_compute(self, rows: float, keys: int, seconds: float, kind: str = BLEND) -> None:
         w = self.work(rows, keys)
@@ -231,8 +239,11 @@ class CostEstimator:
             if kind == BLEND:
                 self._blends.append((w, seconds))
 
-    def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float) -> None:
-        if not 0 < seconds < float("inf"):
+    def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float, waited: float | None = None) -> None:
+        """One blend's transfer: it took between ``waited`` (default ``seconds``: a point) and
+        ``seconds`` (module docstring)."""
+        lower = seconds if waited is None else waited
+        if not (0 < seconds < float("inf") and 0 <= lower <= seconds):
             return
         with self._lock:
             parts = {t: n for t, n in bytes_by_tier.items() if n > 0}
@@ -241,9 +252,12 @@ class CostEstimator:
             if total <= 0:
                 return
             for t, n in parts.items():
-                share = seconds * predicted[t] / total
+                share = predicted[t] / total
+                low, high = lower * share, seconds * share
+                if low <= predicted[t] <= high:
+                    continue  # consistent with what was measured
                 est = self._tier(t)
-                per_byte = max(0.0, share - est[0]) / n
+                per_byte = max(0.0, (low if predicted[t] < low else high) - est[0]) / n
                 est[1] += ALPHA * (per_byte - est[1])
 
     # -------------------------------------------------------------------- exploration

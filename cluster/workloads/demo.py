@@ -427,7 +427,7 @@ def _run_kvblend(args, demo: _Demo, ray_address: str, engines: _Engines, steps: 
     finally:
         engines.stop()
     events = read_events(stats_path)
-    res.extra = connector_summary(events[mark.get("n", 0):])
+    res.extra.update(connector_summary(events[mark.get("n", 0):]))  # keeps waited_s
     res.extra["ttft_breakdown"] = ttft_breakdown(res.requests, events)
     status = kvblend_cli("status", "--json", "--address", ray_address, check=False)
     if status.returncode == 0:

@@ -411,8 +411,10 @@ def test_cost_samples_reach_the_scheduler_through_vllms_worker_metadata(blend_ll
     settle(blend_llm)
     assert costs.compute_known, "no compute sample reached the scheduler"
     snap = costs.snapshot()
-    assert snap["compute_s_per_work"] > 0
-    again = generate(blend_llm, ids, {"kvblend_recompute_ratio": 0.15})
+    assert snap["blend_s_per_work"] > 0 and snap["tiers"], snap
+    # another order of the same chunks (the same prompt would be vLLM's own prefix-cache hit)
+    ids2, _ = build_blend_prompt(tokenizer, system, [passage(911), passage(910)], "Question: ok?")
+    again = generate(blend_llm, ids2, {"kvblend_recompute_ratio": 0.15})
     lookup = events(blend_llm_stats(blend_llm), request_id_of(again), "lookup")[0]
     assert lookup["cost"] is not None and lookup["cost"]["full_prefill"] is False
     assert {c[2] for c in lookup["cost"]["chunks"]} == {"load"}

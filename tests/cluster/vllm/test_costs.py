@@ -70,9 +70,11 @@ class _World:
             else:
                 recomputed[tier] = recomputed.get(tier, 0) + 1
         self.est.note_plan(loaded, recomputed)
-        samples = CostSamples(compute=[(300.0, plan.blend_end, 1e-7 * self.est.work(300.0, plan.blend_end), "blend")])
-        if by_tier:
-            samples.transfer.append((by_tier, sum(n / (self.true_gbps[t] * 1e9) for t, n in by_tier.items())))
+        compute = 1e-7 * self.est.work(300.0, plan.blend_end)
+        samples = CostSamples(compute=[(300.0, plan.blend_end, compute, "blend")])
+        if by_tier:  # layers staged ahead of a bounded ring: the last arrives after the compute
+            transfer = sum(n / (self.true_gbps[t] * 1e9) for t, n in by_tier.items())
+            samples.transfer.append((by_tier, max(transfer, compute), max(0.0, transfer - compute)))
         self.est.add(samples)
         return tuple(what for *_, what in labels)
 
@@ -134,3 +136,22 @@ def test_a_blend_that_waited_for_its_layers_does_not_raise_the_price_of_the_next
     est.add_compute(300, 2000, 0.9 + 1e-8 * est.work(300, 2000), "blend")       # waited 0.9 s
     assert est.blend_overhead_s() == pytest.approx(0.01)
     assert est.compute_s(300, 2000) == pytest.approx(0.01 + 1e-8 * est.work(300, 2000))
+
+
+def test_a_pipe_that_kept_up_is_not_priced_at_the_computes_speed():
+    """A transfer sample is an interval (the engine's wait .. the last layer's arrival): a
+    source that reads when the engine asks delivers its last layer when the compute is done,
+    however fast it is; the estimate moves only when the interval excludes it."""
+    est = CostEstimator(k_lin=1.0, priors={"host": (0.0, 10e9)})
+    for _ in range(20):  # 1 GB predicted at 0.1 s; the last layer came after 2 s, 0.05 s waited
+        est.add_transfer({"host": 10**9}, 2.0, 0.05)
+    assert est.snapshot()["tiers"]["host"]["gbps"] == pytest.approx(10.0)
+    for _ in range(20):  # the engine waited 1 s: the pipe is slower than predicted
+        est.add_transfer({"host": 10**9}, 2.0, 1.0)
+    assert 1.0 <= est.snapshot()["tiers"]["host"]["gbps"] < 1.1
+    for _ in range(20):  # and faster than predicted: the last layer came after 0.2 s
+        est.add_transfer({"host": 10**9}, 0.2, 0.0)
+    assert 4.9 < est.snapshot()["tiers"]["host"]["gbps"] <= 5.0
+    est.add(CostSamples(transfer=[({"host": 10**9}, 0.1, 0.5)]))  # waited more than it took: skipped
+    assert 4.9 < est.snapshot()["tiers"]["host"]["gbps"] <= 5.0
+
