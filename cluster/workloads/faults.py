@@ -416,6 +416,10 @@ def small_tmpfs(path: str, size_bytes: int) -> Iterator[str]:
             subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
 
 
+#: read methods of some tiers (disk, S3, host) that a :class:`ThrottledTier` hides
+UNPACED_READS = frozenset({"open_stream", "get_ranges_into", "get_ranges_into_each", "get_ranges_verified"})
+
+
 class ThrottledTier:
     """A :class:`~tiers.tier.Tier` whose reads (``get``, ``get_ranges``) deliver at most
     ``gbps`` GB/s in all, after ``latency_s`` each: a slow device or a remote store (Redis, S3)
@@ -423,7 +427,11 @@ class ThrottledTier:
     Reads are paced by one schedule shared by every thread (a read waits for the bytes queued
     ahead of it), the sleep outside the lock. ``gbps`` may change while reads run (a tier that
     slows down or recovers). Writes and the rest pass through; ``name`` is the tier's own
-    unless given."""
+    unless given. The wrapped tier's faster read paths (:data:`UNPACED_READS`: streams, reads
+    into caller buffers, verified views) are hidden, so every reader falls back to a paced
+    ``get``, ``get_ranges`` or ``head``, as a Redis tier serves it (found on the H100: the
+    staging reader took the disk tier's ``get_ranges_into`` past the throttle, and the ``slow``
+    rows of ``bench gpu --placement`` read at the disk's speed)."""
 
     def __init__(self, tier, gbps: float, latency_s: float = 0.0, name: str | None = None) -> None:
         if not gbps > 0:
@@ -453,5 +461,13 @@ class ThrottledTier:
             self._pace(sum(len(b) for b in got))
         return got
 
+    def head(self, key, max_bytes: int):
+        got = self.tier.head(key, max_bytes)
+        if got is not None:
+            self._pace(len(got))
+        return got
+
     def __getattr__(self, name):  # contains, put, delete, stats, keys, close ... of the tier
+        if name in UNPACED_READS:
+            raise AttributeError(f"{type(self).__name__} hides {name}: reads are paced")
         return getattr(self.tier, name)

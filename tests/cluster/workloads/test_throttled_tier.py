@@ -5,6 +5,7 @@ A scripted clock: no real sleep, no timed assertion."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster.workloads import faults
 from cluster.workloads.faults import ThrottledTier
@@ -68,3 +69,24 @@ def test_reads_queue_behind_each_other_and_the_rate_can_change(clock):
 def test_a_rate_must_be_positive():
     with pytest.raises(ValueError, match="gbps"):
         ThrottledTier(MemoryTier(1 << 20), gbps=0)
+
+
+
+def test_every_layer_read_goes_through_the_throttle(clock, tmp_path):
+    """The layer reader of the staging path (``tiers.reader.read_layers``) prefers a disk
+    tier's reads into caller buffers; through a ThrottledTier it must take a paced read, and
+    the bytes it reads are the stored layer's."""
+    from tests.factories import as_layer, layer_buffers, make_kv, make_object
+    from tiers.disk import DiskTier
+    from tiers.reader import read_layers
+
+    disk = DiskTier(str(tmp_path / "disk"), 1 << 30, fsync=False)
+    key = make_key(3)
+    kv = make_kv(3, num_tokens=4096)
+    disk.put(key, make_object(key, kv))
+    tier = ThrottledTier(disk, gbps=0.001, name="slow")
+    assert not hasattr(tier, "get_ranges_into") and not hasattr(tier, "open_stream")
+    outs = layer_buffers(kv)
+    assert read_layers(tier, key, [1], outs[1:2]) is not None
+    assert sum(clock.slept) >= len(outs[1]) / 1e6  # at least the layer's bytes were paced
+    assert torch.equal(as_layer(outs[1], kv[1]), kv[1])
