@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", required=True, metavar="PATH", help="write results here")
     p.add_argument("--lengths", default="4096,8192,16384,32768", help="prompt lengths in tokens")
     p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per cached chunk (default 512)")
-    p.add_argument("--ratios", default="0.05,0.15,0.30", help="recompute ratios (default 0.05,0.15,0.30)")
+    p.add_argument("--ratios", default="", help="recompute ratios (default 0.05,0.15,0.30; with --placement "
+                                                "or --client the product's default ratio)")
     p.add_argument("--check-layer", type=int, default=1, help="check layer (default 1)")
     p.add_argument("--selection", default="query_attention,k_deviation",
                    help="token selections, comma-separated: the first is timed from every tier, the others "
@@ -119,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
         plot(args.json, args.plot)
         return 0
     lengths = _ints(args.lengths)
+    if not args.ratios:  # the placement and client benches time the product's own default ratio
+        from blend.config import BlendConfig
+
+        args.ratios = (",".join(map(str, BlendConfig().recompute_ratios[:1])) if args.placement or args.client
+                       else "0.05,0.15,0.30")
     args.ratios = _floats(args.ratios) if isinstance(args.ratios, str) else args.ratios
     if isinstance(args.selection, str):
         from blend.config import parse_selections
