@@ -22,8 +22,8 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
   and at most the seconds from asking for its layers to the last layer's arrival. Not one
   number: sources read when the engine asks (a machine-local client reads inside the wait) or
   stage a bounded ring of layers ahead, so the last layer's arrival follows the engine's
-  compute, and a pipe that kept up looks as slow as the compute (the engine lane's CPU runs:
-  host reads priced at the compute's speed, chunks recomputed instead of loaded in ~1 ms). The
+  compute, and a pipe that kept up looks as slow as the compute (in the engine lane on CPU,
+  host reads of a few ms were priced at the compute's seconds and chunks recomputed). The
   interval is shared out among the tiers in proportion to what the estimates predicted for
   each, and a tier's seconds per byte moves :data:`ALPHA` of the way toward its share only
   when its prediction lies outside it.
@@ -137,8 +137,9 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     """What one blend or prefill measured (its :class:`blend.result.BlendCounters`), as samples:
     its compute (rows per layer, ``keys`` tokens, load waits excluded) and, for a blend of
     ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token), the
-    seconds to the last layer's arrival and the seconds the engine waited for layers. Called by the vLLM worker after each blend and prefill,
-    and by ``kvblend bench gpu --placement`` the same way."""
+    seconds to the last layer's arrival and the seconds the engine waited for layers. Called
+    by the vLLM worker after each blend and prefill, and by ``kvblend bench gpu --placement``
+    the same way."""
     out = CostSamples()
     rows = counters.recomputed_tokens_per_layer
     if rows and counters.compute_s > 0:
