@@ -35,6 +35,7 @@ plugin of this conftest); Ray clusters by ``tests/cluster/conftest.py``; vLLM en
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing.process
 import os
 import shutil
@@ -172,12 +173,23 @@ def _no_process_guard(nodeid: str):
         mp.undo()
 
 
+@functools.cache
+def _imports_that_start_a_process() -> None:
+    """Imports whose module body starts a process, done once before the first unit test's
+    guard: py-cpuinfo (vLLM imports it) runs ``file -b <python>`` through
+    ``platform.architecture()``, so a unit test that is the process's first to import vLLM
+    (``bash scripts/test.sh unit -- tests/test_layering.py``) failed alone and passed in the lane."""
+    with contextlib.suppress(ImportError):
+        import cpuinfo  # noqa: F401
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Unit tests run (setup, call, teardown) under :func:`_no_process_guard`; not those marked
     ``gpu``: CUDA's libraries start helpers of their own (triton runs ``ldconfig -p``)."""
     if lane_of(item) != "unit" or item.get_closest_marker("gpu") is not None:
         return (yield)
+    _imports_that_start_a_process()
     with _no_process_guard(item.nodeid):
         return (yield)
 
