@@ -62,7 +62,14 @@ from blend.plan import CHUNK, BlendPlan
 from blend.protocols import BlendModel, KVSource
 from blend.result import BlendCounters, BlendResult
 from blend.rope import check_blendable, inv_freq_for
-from blend.rows import RequestRows, check_layer_batch, place_cached, request_rows
+from blend.rows import (
+    RequestRows,
+    check_layer_batch,
+    layer_result,
+    place_cached,
+    request_rows,
+    start_fetch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -298,39 +305,6 @@ class BlendEngine:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
         return int(flag) == 0
 
-    def _start_fetch(self, rows: RequestRows, first_check: int, counters: BlendCounters) -> dict[int, Future]:
-        """Ask the source once for every layer from the first check layer up (the source moves
-        them while the engine computes; CacheBlend §5). Layers below the first check layer
-        never need the cache. A source that raises here sends the request to full prefill
-        (its layers count as unreadable)."""
-        if not rows.keys:
-            return {}
-        layers = list(range(first_check, self.spec.num_layers))
-        t0 = time.perf_counter()
-        try:
-            futs = self.source.fetch_layers(rows.keys, layers)
-        except Exception as e:  # a broken source is a miss, never a failed request
-            log.warning("fetch of the cached layers failed (%s: %s)", type(e).__name__, e)
-            return {}
-        if futs:  # counters.transfer_s, the cost estimates' sample: when the last layer arrived
-            futs[-1].add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                       or setattr(counters, "transfer_s", time.perf_counter() - t0))
-        return dict(zip(layers, futs, strict=False))
-
-    def _layer_result(self, fut: Future | None, layer_idx: int) -> list[torch.Tensor | None] | None:
-        """The layer a source's future holds, or None on any fault or after ``load_timeout_s``
-        (then the future is cancelled: the source stops on it; never raises)."""
-        if fut is None:
-            return None
-        try:
-            return fut.result(timeout=self.load_timeout_s)
-        except Exception as e:  # a broken source is a miss, never a failed request
-            fut.cancel()
-            why = (f"not delivered within load_timeout_s={self.load_timeout_s:g} s" if isinstance(e, TimeoutError)
-                   else f"{type(e).__name__}: {e}")
-            log.warning("fetch of layer %d failed (%s)", layer_idx, why)
-            return None
-
     def _cached_layer(self, rows: RequestRows, pending: dict[int, Future], layer_idx: int,
                       counters: BlendCounters, num_rows: int | None = None) -> torch.Tensor:
         """Step 3 of :meth:`_blend`: this layer's KV buffer ``[2, T, H, D]`` (``num_rows``
@@ -348,7 +322,7 @@ class BlendEngine:
         if not rows.keys:
             return kv
         t0 = time.perf_counter()
-        got = self._layer_result(pending.pop(layer_idx, None), layer_idx)
+        got = layer_result(pending.pop(layer_idx, None), layer_idx, self.load_timeout_s)
         counters.load_wait_s += time.perf_counter() - t0
         why = check_layer_batch(rows, got, spec, layer_idx)
         if not self._all_ranks_ok(why is None):
@@ -440,7 +414,8 @@ class BlendEngine:
             first_check = 0
             if plan.selection == "query_attention":
                 check_layers, last_check = [], -1
-        pending = self._start_fetch(rows, first_check, counters)  # {layer: future}, every layer at once
+        # {layer: future}, every layer from the first check layer up at once (CacheBlend §5)
+        pending = start_fetch(self.source, rows, range(first_check, self.spec.num_layers), counters)
         active = positions  # [A] rows computed in this layer, ascending
         probed: dict[int, torch.Tensor] = {}  # layer -> buffer the query probe filled
         row_mask = None     # the final rows' attention mask (CUDA), built at the last check layer

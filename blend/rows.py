@@ -1,7 +1,9 @@
 """A blend request's rows: which are hit, reused or forced, and each layer's cached-KV buffer.
 
 :func:`request_rows` turns a :class:`~blend.plan.BlendPlan` into device index tensors once
-per request (the engine's step 1); :func:`check_layer_batch` and :func:`place_cached` validate
+per request (the engine's step 1); :func:`start_fetch` asks the source for the hit chunks'
+layers once and :func:`layer_result` takes one of them, bounded by the load timeout;
+:func:`check_layer_batch` and :func:`place_cached` validate
 one layer of the hit chunks as a source delivered it and put it, K re-rotated to the prompt
 positions, into the rows of that layer's ``[2, T, H, D]`` buffer (the engine's step 3).
 
@@ -10,16 +12,22 @@ Axis letters as in :mod:`blend.engine`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from blend import ops
 from blend.plan import BlendPlan, Segment
-from blend.protocols import ModelSpec
+from blend.protocols import KVSource, ModelSpec
 from blend.result import BlendCounters
 from tiers.keys import ChunkKey
+
+#: the engine's log: a fetch that fails is one of its warnings
+log = logging.getLogger("blend.engine")
 
 
 @dataclass(frozen=True)
@@ -110,3 +118,40 @@ def place_cached(kv: torch.Tensor, rows: RequestRows, got) -> None:
     stored = torch.cat(got, dim=1).to(device=kv.device, dtype=kv.dtype)  # [2, Rh, H, D]
     ops.rerotate_k_(stored[0], rows.stored_pos, rows.hit_rows, rows.inv_freq)  # in place
     kv[:, rows.hit_rows] = stored
+
+
+def start_fetch(source: KVSource, rows: RequestRows, layers: Iterable[int],
+                counters: BlendCounters) -> dict[int, Future]:
+    """Ask ``source`` once for ``layers`` of the request's hit chunks (it moves them while the
+    engine computes; CacheBlend §5): ``{layer: future}``, empty without hits. A source that
+    raises here sends the request to full prefill (its layers count as unreadable). When the
+    last layer arrives its seconds since the ask go to ``counters.transfer_s`` (the cost
+    estimates' sample)."""
+    if not rows.keys:
+        return {}
+    layers = list(layers)
+    t0 = time.perf_counter()
+    try:
+        futs = source.fetch_layers(rows.keys, layers)
+    except Exception as e:  # a broken source is a miss, never a failed request
+        log.warning("fetch of the cached layers failed (%s: %s)", type(e).__name__, e)
+        return {}
+    if futs:
+        futs[-1].add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                   or setattr(counters, "transfer_s", time.perf_counter() - t0))
+    return dict(zip(layers, futs, strict=False))
+
+
+def layer_result(fut: Future | None, layer_idx: int, timeout_s: float) -> list[torch.Tensor | None] | None:
+    """The layer a source's future holds, or None on any fault or after ``timeout_s`` (the
+    engine's ``load_timeout_s``; then the future is cancelled: the source stops on it). Never raises."""
+    if fut is None:
+        return None
+    try:
+        return fut.result(timeout=timeout_s)
+    except Exception as e:  # a broken source is a miss, never a failed request
+        fut.cancel()
+        why = (f"not delivered within load_timeout_s={timeout_s:g} s" if isinstance(e, TimeoutError)
+               else f"{type(e).__name__}: {e}")
+        log.warning("fetch of layer %d failed (%s)", layer_idx, why)
+        return None

@@ -228,8 +228,8 @@ class CostEstimator:
         """Fold a worker step's measurements in (bad samples — non-positive or non-finite — are skipped)."""
         for rows, keys, seconds, kind in samples.compute:
             self.add_compute(rows, keys, seconds, kind)
-        for by_tier, seconds, *waited in samples.transfer:
-            self.add_transfer(by_tier, seconds, *waited)
+        for by_tier, seconds, waited in samples.transfer:
+            self.add_transfer(by_tier, seconds, waited)
 
     def add_compute(self, rows: float, keys: int, seconds: float, kind: str = BLEND) -> None:
         w = self.work(rows, keys)
