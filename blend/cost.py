@@ -14,10 +14,15 @@ The model of one blend (CacheBlend's layer pipeline, Yao et al., EuroSys 2025, Â
                   up to the first check layer)
     compute(L)  = estimates.compute_s(rows(L), T)
     transfer(L) = estimates.transfer_s({tier: bytes of L's chunks there})
-    blend(L)    = max(compute, transfer) + min(compute, transfer) / num_layers
+    blend(L)    = max(compute, transfer) + min(compute, transfer) * (1 - overlap + overlap / num_layers)
 
 for the set ``L`` of hit chunks loaded (the others are recomputed with the prompt's new
-tokens, like misses). Full prefill costs ``prefill_s(T)``. Chunks are ordered by their
+tokens, like misses). ``overlap`` is the share of the shorter of compute and transfer that
+hides under the longer: 1 is the pipeline at its best (only its first layer shows), 0 is one
+after the other. It is measured, not assumed (:attr:`CostEstimates.overlap`): on an H100 a
+16K-token blend that recomputed half its chunks while reading the other half from disk took
+0.65 s, the sum of its compute and its reads (0.30 + 0.30 s), where a perfect pipeline prices
+0.31 s and full prefill took 0.52 s (``docs/benchmarks.md``, the placement run). Full prefill costs ``prefill_s(T)``. Chunks are ordered by their
 transfer time per token (the fastest tiers first) and every prefix of that order is priced,
 from "load none" (full prefill) to "load all" (today's plan); the cheapest wins, ties going to
 more loads, and anything but "load all" only when it is :data:`MARGIN` sooner. So when some chunks are fast and others slow the slow ones are recomputed while the
@@ -72,6 +77,12 @@ class CostEstimates(Protocol):
         answered their lookup) is on the device; 0 for no bytes."""
         ...
 
+    @property
+    def overlap(self) -> float:
+        """In [0, 1]: the share of the shorter of a blend's compute and transfer that runs
+        under the longer (:func:`blend_seconds`)."""
+        ...
+
 
 @dataclass(frozen=True)
 class CostChoice:
@@ -95,10 +106,12 @@ class CostChoice:
     tiers: tuple[tuple[int, str, int, str], ...]
 
 
-def blend_seconds(compute_s: float, transfer_s: float, num_layers: int) -> float:
-    """The layer pipeline's time: the longer of compute and transfer, plus the shorter one's
-    first layer (the pipeline fills and drains once)."""
-    return max(compute_s, transfer_s) + min(compute_s, transfer_s) / max(1, num_layers)
+def blend_seconds(compute_s: float, transfer_s: float, num_layers: int, overlap: float = 1.0) -> float:
+    """The layer pipeline's time: the longer of compute and transfer, plus the share of the
+    shorter one that does not overlap it (``1 - overlap``) and, of the share that does, its
+    first layer (the pipeline fills and drains once). ``overlap`` is clamped to [0, 1]."""
+    o = min(1.0, max(0.0, overlap))
+    return max(compute_s, transfer_s) + min(compute_s, transfer_s) * (1.0 - o + o / max(1, num_layers))
 
 
 def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int, num_layers: int,
@@ -142,6 +155,8 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
     # CacheBlend's deviation selections compute every row up to the first check layer
     whole = 0 if plan.selection == "query_attention" else min(num_layers, plan.check_layers[0] + 1)
 
+    overlap = estimates.overlap
+
     def price(loaded: Sequence[tuple[int, object]]) -> float:
         tokens = sum(s.num_tokens for _, s in loaded)
         rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens)
@@ -149,7 +164,7 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
         by_tier: dict[str, int] = {}
         for _, s in loaded:
             by_tier[s.tier] = by_tier.get(s.tier, 0) + s.num_tokens * kv_bytes_per_token
-        return blend_seconds(estimates.compute_s(rows, keys), estimates.transfer_s(by_tier), num_layers)
+        return blend_seconds(estimates.compute_s(rows, keys), estimates.transfer_s(by_tier), num_layers, overlap)
 
     full_s = estimates.prefill_s(keys)
     prices = [full_s if k == 0 else price(order[:k]) for k in range(len(order) + 1)]

@@ -27,6 +27,16 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
   interval is shared out among the tiers in proportion to what the estimates predicted for
   each, and a tier's seconds per byte moves :data:`ALPHA` of the way toward its share only
   when its prediction lies outside it.
+* **Overlap** (:attr:`CostEstimator.overlap`): how much of the shorter of a blend's compute and
+  transfer hid under the longer (:func:`blend.cost.blend_seconds`). A sample is a blend that
+  loaded chunks: its rows, keys, bytes per tier and wall time (compute plus load waits). With
+  the estimates' own compute ``c`` and transfer ``t`` for it, a perfect pipeline takes
+  ``max(c, t)`` and no overlap ``c + t``; the sample's overlap is where its wall time falls
+  between the two, and the estimate moves :data:`ALPHA` of the way toward it. Only blends whose
+  shorter part is at least :data:`OVERLAP_INFORMATIVE` of the longer count (with a transfer of
+  a few ms under a second of compute, any overlap fits). Prior :data:`OVERLAP_PRIOR`: half.
+  Why it is measured: on an H100 a blend reading half its chunks from disk while recomputing
+  the rest took the sum of the two, not the longer (the placement run in ``docs/benchmarks.md``).
 * **Exploration.** A tier whose chunks the planner keeps recomputing is no longer measured; after
   :data:`EXPLORE_AFTER` plans in a row that had hits there and loaded none, :meth:`explore`
   names it and the next plan loads one chunk of it (the planner's ``explore``).
@@ -56,8 +66,14 @@ PRIORS: dict[str, tuple[float, float]] = {
 }
 #: prior of a tier not in PRIORS
 DEFAULT_PRIOR = (0.01, 1e9)
-#: weight of the newest transfer sample in a tier's estimate
+#: weight of the newest transfer (and overlap) sample in an estimate
 ALPHA = 0.3
+#: the overlap of compute and transfer before a blend measured it (0: one after the other, 1: a
+#: perfect layer pipeline)
+OVERLAP_PRIOR = 0.5
+#: a blend measures the overlap only if its shorter part (compute or transfer) is at least this
+#: share of the longer
+OVERLAP_INFORMATIVE = 0.2
 #: forgetting factor of the compute fit (per sample)
 FORGET = 0.9
 #: recent blends whose least overhead over the prefill rate is a blend's fixed cost
@@ -115,16 +131,20 @@ class CostSamples:
         transfer: ``({tier: bytes}, seconds, waited)`` per blend that loaded chunks: seconds
             from asking for its layers to the last one's arrival, and seconds the engine waited
             for them (the transfer took between the two).
+        blends: ``({tier: bytes}, rows per layer, keys, wall seconds)`` per blend that loaded
+            chunks (wall: its compute plus its load waits), for the overlap estimate.
     """
 
     compute: list[tuple[float, int, float, str]] = field(default_factory=list)
     transfer: list[tuple[dict[str, int], float, float]] = field(default_factory=list)
+    blends: list[tuple[dict[str, int], float, int, float]] = field(default_factory=list)
 
     def merge(self, other: CostSamples) -> CostSamples:
-        return CostSamples(self.compute + other.compute, self.transfer + other.transfer)
+        return CostSamples(self.compute + other.compute, self.transfer + other.transfer,
+                           self.blends + other.blends)
 
     def __bool__(self) -> bool:
-        return bool(self.compute or self.transfer)
+        return bool(self.compute or self.transfer or self.blends)
 
 
 def kv_bytes_per_token(spec, itemsize: int) -> int:
@@ -150,6 +170,8 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
         for seg in plan.hit_segments:
             by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
         out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s)))
+        if rows and counters.compute_s > 0:
+            out.blends.append((by_tier, sum(rows) / len(rows), keys, counters.compute_s + counters.load_wait_s))
     return out
 
 
@@ -159,10 +181,13 @@ class CostEstimator:
     Args:
         k_lin: :func:`linear_keys` of the served model.
         priors: tier -> ``(latency s, bytes/s)`` overriding :data:`PRIORS`.
+        overlap: the overlap before one is measured (:data:`OVERLAP_PRIOR`).
     """
 
-    def __init__(self, k_lin: float, priors: Mapping[str, tuple[float, float]] | None = None) -> None:
+    def __init__(self, k_lin: float, priors: Mapping[str, tuple[float, float]] | None = None,
+                 overlap: float = OVERLAP_PRIOR) -> None:
         self.k_lin = float(k_lin)
+        self._overlap = min(1.0, max(0.0, float(overlap)))
         self._priors = {**PRIORS, **(priors or {})}
         self._tiers: dict[str, list[float]] = {}     # tier -> [latency s, seconds per byte]
         self._fits = {BLEND: _Fit(), PREFILL: _Fit()}
@@ -185,10 +210,13 @@ class CostEstimator:
         fit's cost per unit of work plus a blend's own fixed cost (:meth:`blend_overhead_s`);
         the blend fit alone until a prefill was measured."""
         with self._lock:
-            w = self.work(rows, keys)
-            if not self._fits[PREFILL].known:
-                return self._fits[BLEND](w)
-            return self._overhead() + self._fits[PREFILL].s * w
+            return self._compute(rows, keys)
+
+    def _compute(self, rows: float, keys: int) -> float:
+        w = self.work(rows, keys)
+        if not self._fits[PREFILL].known:
+            return self._fits[BLEND](w)
+        return self._overhead() + self._fits[PREFILL].s * w
 
     def _overhead(self) -> float:
         """The least ``seconds - s_prefill * W`` over the recent blends (>= 0): a blend's fixed
@@ -210,7 +238,15 @@ class CostEstimator:
 
     def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
         with self._lock:
-            return sum(self._predict(t, n) for t, n in bytes_by_tier.items() if n > 0)
+            return self._transfer(bytes_by_tier)
+
+    def _transfer(self, bytes_by_tier: Mapping[str, int]) -> float:
+        return sum(self._predict(t, n) for t, n in bytes_by_tier.items() if n > 0)
+
+    @property
+    def overlap(self) -> float:
+        with self._lock:
+            return self._overlap
 
     def _predict(self, tier: str, nbytes: int) -> float:
         lat, spb = self._tier(tier)
@@ -230,6 +266,8 @@ class CostEstimator:
             self.add_compute(rows, keys, seconds, kind)
         for by_tier, seconds, waited in samples.transfer:
             self.add_transfer(by_tier, seconds, waited)
+        for by_tier, rows, keys, wall in samples.blends:
+            self.add_blend(by_tier, rows, keys, wall)
 
     def add_compute(self, rows: float, keys: int, seconds: float, kind: str = BLEND) -> None:
         w = self.work(rows, keys)
@@ -261,6 +299,19 @@ class CostEstimator:
                 per_byte = max(0.0, (low if predicted[t] < low else high) - est[0]) / n
                 est[1] += ALPHA * (per_byte - est[1])
 
+    def add_blend(self, bytes_by_tier: Mapping[str, int], rows: float, keys: int, wall: float) -> None:
+        """One blend that loaded ``bytes_by_tier`` and computed ``rows`` per layer over ``keys``
+        tokens in ``wall`` seconds: moves the overlap toward what it shows (module docstring)."""
+        if not (0 < wall < float("inf") and rows > 0 and keys > 0):
+            return
+        with self._lock:
+            c, t = self._compute(rows, keys), self._transfer(bytes_by_tier)
+            low, high = min(c, t), max(c, t)
+            if not (low > 0 and low >= OVERLAP_INFORMATIVE * high):
+                return
+            seen = min(1.0, max(0.0, (high + low - wall) / low))
+            self._overlap += ALPHA * (seen - self._overlap)
+
     # -------------------------------------------------------------------- exploration
     def note_plan(self, loaded: Mapping[str, int], recomputed: Mapping[str, int]) -> None:
         """After a plan: chunks loaded and recomputed per tier (resets or advances exploration)."""
@@ -279,7 +330,7 @@ class CostEstimator:
     def snapshot(self) -> dict:
         """The current estimates (for the event log): compute fit and per tier latency / GB/s."""
         with self._lock:
-            return {"blend_overhead_s": self._overhead(), **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
+            return {"blend_overhead_s": self._overhead(), "overlap": self._overlap, **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
                     **{f"{k}_s_per_work": f.s for k, f in self._fits.items()},
                     "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}
                               for t, (lat, spb) in sorted(self._tiers.items())}}

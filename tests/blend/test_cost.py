@@ -22,8 +22,9 @@ KV_BYTES = 1000  # bytes of one token's KV, every layer
 class Scripted:
     """Estimates read from a script: ``seconds_per_row_key`` of compute, ``gbps`` per tier."""
 
-    def __init__(self, gbps: dict[str, float], seconds_per_row: float = 1e-3, known: bool = True) -> None:
-        self.gbps, self.per_row, self.known = gbps, seconds_per_row, known
+    def __init__(self, gbps: dict[str, float], seconds_per_row: float = 1e-3, known: bool = True,
+                 overlap: float = 1.0) -> None:
+        self.gbps, self.per_row, self.known, self.overlap = gbps, seconds_per_row, known, overlap
 
     @property
     def compute_known(self) -> bool:
@@ -103,6 +104,20 @@ def test_a_recomputed_hit_is_computed_but_never_a_miss_to_store():
 def test_pipeline_price():
     assert blend_seconds(1.0, 0.5, 10) == pytest.approx(1.05)
     assert blend_seconds(0.2, 2.0, 10) == pytest.approx(2.02)
+    assert blend_seconds(1.0, 0.5, 10, overlap=0.0) == pytest.approx(1.5)  # one after the other
+    assert blend_seconds(1.0, 0.5, 10, overlap=0.5) == pytest.approx(1.275)
+    assert blend_seconds(1.0, 0.5, 10, overlap=7.0) == blend_seconds(1.0, 0.5, 10)  # clamped
+
+
+def test_a_partial_plan_that_only_pays_in_a_perfect_pipeline_is_full_prefill_without_overlap():
+    """The H100 placement run's miss: recomputing some chunks while the rest come from disk
+    was priced as if reads hid under compute; they ran one after the other."""
+    plan = _plan(["disk"] * 4, tokens=250)  # full prefill 1.02 s; every chunk read: 1.0 s
+    pipelined = choose(plan, Scripted({"disk": 1e-3}), kv_bytes_per_token=KV_BYTES, num_layers=4)
+    assert not pipelined.full_prefill and 0 < len(pipelined.recomputed) < 4  # priced as overlapping
+    serial = choose(plan, Scripted({"disk": 1e-3}, overlap=0.0), kv_bytes_per_token=KV_BYTES, num_layers=4)
+    assert serial.full_prefill and serial.blend_s == serial.full_s
+    assert serial.blend_s <= pipelined.full_s
 
 
 @pytest.mark.parametrize("recompute", [(), (0,), (1,), (0, 2), (0, 1, 2)])

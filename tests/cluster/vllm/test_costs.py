@@ -80,7 +80,7 @@ class _World:
 
 
 def test_a_tier_that_slows_is_recomputed_within_a_few_requests_and_found_again_when_it_recovers():
-    est = CostEstimator(k_lin=2000.0)
+    est = CostEstimator(k_lin=2000.0, overlap=1.0)  # the world's layers pipeline perfectly
     world = _World(est, {"host": 10.0, "disk": 2.0})
     plan = _plan(["host", "disk", "disk"])
     first = world.request(plan)  # compute unknown until this request's sample: everything loads
@@ -155,3 +155,50 @@ def test_a_pipe_that_kept_up_is_not_priced_at_the_computes_speed():
     est.add(CostSamples(transfer=[({"host": 10**9}, 0.1, 0.5)]))  # waited more than it took: skipped
     assert 4.9 < est.snapshot()["tiers"]["host"]["gbps"] <= 5.0
 
+
+
+def test_the_overlap_is_learned_from_blends_that_loaded_and_computed():
+    """A blend's wall time against the estimates' own compute and transfer for it: the sum of
+    the two means no overlap, the longer alone a perfect pipeline. A blend whose transfer is a
+    sliver of its compute says nothing about it and leaves it; bad samples are skipped."""
+    est = CostEstimator(k_lin=1.0, priors={"disk": (0.0, 1e9)})
+    for keys in (500, 1000, 2000):
+        est.add_compute(keys, keys, 1e-6 * est.work(keys, keys), "prefill")
+    est.add_compute(300, 2000, 1e-6 * est.work(300, 2000), "blend")
+    c, t = est.compute_s(300, 2000), est.transfer_s({"disk": 3 * 10**8})
+    assert 0.2 < c / t < 5 and est.overlap == pytest.approx(0.5)
+    for _ in range(15):  # one after the other
+        est.add(CostSamples(blends=[({"disk": 3 * 10**8}, 300.0, 2000, c + t)]))
+    assert est.overlap < 0.01 and est.snapshot()["overlap"] == est.overlap
+    for _ in range(15):  # a perfect pipeline
+        est.add_blend({"disk": 3 * 10**8}, 300.0, 2000, max(c, t))
+    assert est.overlap > 0.99
+    est.add_blend({"disk": 1000}, 300.0, 2000, c * 10)  # transfer of 1 us under the compute
+    est.add_blend({"disk": 3 * 10**8}, 300.0, 2000, float("nan"))
+    est.add_blend({"disk": 3 * 10**8}, 0.0, 2000, c + t)
+    assert est.overlap > 0.99
+
+
+def test_reads_that_do_not_overlap_compute_turn_a_partial_plan_into_full_prefill():
+    """The worker the H100 placement run met: disk reads and the recompute ran one after the
+    other. Priced as a pipeline, half the chunks load; after a few blends measured as serial,
+    the plan is full prefill (sooner than either)."""
+    est = CostEstimator(k_lin=100.0, priors={"disk": (0.0, 1e9)}, overlap=1.0)
+    per_work = 1e-8
+    for keys in (500, 1000, 4000, 8000):
+        est.add_compute(keys, keys, per_work * est.work(keys, keys), "prefill")
+    plan = _plan(["disk"] * 16, tokens=500)
+    kv = 40_000  # 8,000 tokens: 0.32 s of reads against 0.36 s of full prefill
+    est.add_compute(1500, plan.blend_end, per_work * est.work(1500, plan.blend_end), "blend")
+    first = choose(plan, est, kv_bytes_per_token=kv, num_layers=LAYERS)
+    assert not first.full_prefill and 0 < len(first.recomputed) < 16
+    for _ in range(12):
+        choice = choose(plan, est, kv_bytes_per_token=kv, num_layers=LAYERS)
+        if choice.full_prefill:
+            break
+        tokens_loaded = (16 - len(choice.recomputed)) * 500
+        loaded = {"disk": tokens_loaded * kv}
+        rows = 20 + (8000 - tokens_loaded) + 0.15 * tokens_loaded
+        wall = est.compute_s(rows, plan.blend_end) + est.transfer_s(loaded)  # one after the other
+        est.add(CostSamples(blends=[(loaded, rows, plan.blend_end, wall)]))
+    assert choice.full_prefill, f"still {len(choice.recomputed)} of 16 recomputed, overlap {est.overlap:.2f}"
