@@ -19,8 +19,9 @@ Placements (the chunks' canonical KV computed once by :class:`cluster.bench.gpu_
 ``host_hot``    the host tier, staged from the worker's pinned store (used before)
 ``host_cold``   the host tier, no pinned copy (every layer filled into a pinned slot first)
 ``disk``        the disk tier only, page cache dropped before each run
-``slow``        the disk tier behind :class:`cluster.workloads.faults.ThrottledTier` at
-                :data:`SLOW_GBPS` (standing in for Redis and S3, which cannot run there)
+``slow``        the host tier behind :class:`cluster.workloads.faults.ThrottledTier` at
+                :data:`SLOW_GBPS` (standing in for Redis and S3, which cannot run there:
+                remote memory behind a slow pipe)
 ``mixed``       half the chunks in the host tier (cold), half on the disk tier only, one
                 :class:`tiers.stack.TierStack` (host over disk, as a shard's): the lookup
                 names each chunk's tier
@@ -48,8 +49,11 @@ import time
 log = logging.getLogger(__name__)
 
 PLACEMENTS = ("gpu", "host_hot", "host_cold", "disk", "slow", "mixed")
-#: GB/s of the ``slow`` placement's throttled disk
+#: GB/s of the ``slow`` placement's throttled host tier
 SLOW_GBPS = 0.3
+#: GB/s of the settling run's tier before it slows tenfold and after it recovers (a host-memory
+#: speed: a tier worth loading from on a GPU, so the choice has something to change)
+SETTLE_GBPS = 20.0
 #: cost-aware runs per cell before the timed ones (the estimates follow what they measure)
 WARMUP_RUNS = 3
 #: tokens of the prefills measured first: what a worker learns from computing missed passages'
@@ -87,7 +91,7 @@ class _Placements:
             obj = bench.disk_tier.get(key)
             (self.mixed_host if key in self.mixed_host_keys else self.mixed_disk).put(key, obj)
         self.stack = TierStack([self.mixed_host, self.mixed_disk])
-        self.slow_tier = ThrottledTier(bench.disk_tier, SLOW_GBPS, name="slow")
+        self.slow_tier = ThrottledTier(host_client.tier, SLOW_GBPS, name="slow")
         clients = {"slow": LocalCacheClient(self.slow_tier, device=dev),
                    "mixed": LocalCacheClient(self.stack, device=dev)}
         self.sources = {
@@ -104,7 +108,7 @@ class _Placements:
         promoted copy of the mixed disk half in its host tier)."""
         bench = self.bench
         bench._sync()  # noqa: SLF001
-        if placement in ("disk", "slow"):
+        if placement == "disk":
             self.page_cache = self._drop([bench.disk_tier._file(k) for k in keys], bench.args.page_cache)  # noqa: SLF001
         elif placement == "mixed":
             self.mixed_host.delete([k for k in keys if k in self.mixed_disk_keys])
@@ -151,7 +155,7 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
                             "cache agent's hop (kvblend bench gpu --client), scheduler and worker in two processes",
                 "rows": rows}
     try:
-        settle = _settling(bench, places, estimator, per_token, min(lengths))
+        settle = _settling(bench, places, estimator, per_token, max(lengths))
         for length in lengths:
             for placement in args.placement:
                 rows.append(_cell(bench, places, estimator, per_token, length, placement))
@@ -238,7 +242,8 @@ def _cell(bench, places, estimator, per_token: int, length: int, placement: str)
 
 def _settling(bench, places, estimator, per_token: int, length: int) -> dict:
     """Requests until the cost-aware choice follows a tier that slows down tenfold, then
-    recovers: the ``slow`` placement at 3 GB/s, then :data:`SLOW_GBPS`, then 3 GB/s again."""
+    recovers: the ``slow`` placement at :data:`SETTLE_GBPS`, a tenth of it, then
+    :data:`SETTLE_GBPS` again."""
     from cluster.bench.gpu_harness import _num_chunks
 
     plan, _ = bench._plan(length, bench.ratios[0])  # noqa: SLF001
@@ -246,7 +251,7 @@ def _settling(bench, places, estimator, per_token: int, length: int) -> dict:
     out = {"tokens": len(plan.token_ids)}
     tier = places.slow_tier
     try:
-        for phase, gbps in (("fast", 3.0), ("slowed", SLOW_GBPS), ("recovered", 3.0)):
+        for phase, gbps in (("fast", SETTLE_GBPS), ("slowed", SETTLE_GBPS / 10), ("recovered", SETTLE_GBPS)):
             tier.gbps = gbps
             seen = []
             for _ in range(8 if phase == "fast" else 24):

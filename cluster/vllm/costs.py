@@ -3,8 +3,11 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
 
 * **Compute.** A prefill's compute is modelled as ``seconds = c0 + s * W`` and a blend's as
   the same ``s * W`` plus a blend's own fixed cost (launches, the probe, selection: the least
-  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends; on a GPU a blend that waited
-  for its layers shows the wait in its host-side compute time, so only the least is kept), with
+  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends whose predicted transfer was
+  under :data:`OVERLAP_INFORMATIVE` of their compute; on a GPU a blend that waited for its
+  layers shows the wait in its host-side compute time, so only the least of those is kept:
+  in the H100 placement run, 32 blends in a row from disk and throttled tiers priced a blend's
+  fixed cost at 0.10-0.15 s, a 4K blend's whole time being 0.06 s), with
   ``W = rows * (k_lin + keys / 2)``: ``rows`` computed per layer (mean over layers), each
   through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
   key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
@@ -131,13 +134,14 @@ class CostSamples:
         transfer: ``({tier: bytes}, seconds, waited)`` per blend that loaded chunks: seconds
             from asking for its layers to the last one's arrival, and seconds the engine waited
             for them (the transfer took between the two).
-        blends: ``({tier: bytes}, rows per layer, keys, wall seconds)`` per blend that loaded
-            chunks (wall: its compute plus its load waits), for the overlap estimate.
+        blends: ``({tier: bytes}, rows per layer, keys, compute seconds, wall seconds)`` per
+            blend that loaded chunks (wall: its compute plus its load waits): its compute sample
+            (not in ``compute``) and the overlap's.
     """
 
     compute: list[tuple[float, int, float, str]] = field(default_factory=list)
     transfer: list[tuple[dict[str, int], float, float]] = field(default_factory=list)
-    blends: list[tuple[dict[str, int], float, int, float]] = field(default_factory=list)
+    blends: list[tuple[dict[str, int], float, int, float, float]] = field(default_factory=list)
 
     def merge(self, other: CostSamples) -> CostSamples:
         return CostSamples(self.compute + other.compute, self.transfer + other.transfer,
@@ -162,16 +166,19 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     the same way."""
     out = CostSamples()
     rows = counters.recomputed_tokens_per_layer
-    if rows and counters.compute_s > 0:
-        kind = BLEND if counters.num_hit_segments and counters.full_prefill_reason is None else PREFILL
-        out.compute.append((sum(rows) / len(rows), keys, counters.compute_s, kind))
+    computed = bool(rows) and counters.compute_s > 0
     if plan is not None and counters.transfer_s > 0 and counters.full_prefill_reason is None and per_token:
         by_tier: dict[str, int] = {}
         for seg in plan.hit_segments:
             by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
         out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s)))
-        if rows and counters.compute_s > 0:
-            out.blends.append((by_tier, sum(rows) / len(rows), keys, counters.compute_s + counters.load_wait_s))
+        if computed:
+            out.blends.append((by_tier, sum(rows) / len(rows), keys, counters.compute_s,
+                               counters.compute_s + counters.load_wait_s))
+            return out
+    if computed:
+        kind = BLEND if counters.num_hit_segments and counters.full_prefill_reason is None else PREFILL
+        out.compute.append((sum(rows) / len(rows), keys, counters.compute_s, kind))
     return out
 
 
@@ -266,16 +273,19 @@ class CostEstimator:
             self.add_compute(rows, keys, seconds, kind)
         for by_tier, seconds, waited in samples.transfer:
             self.add_transfer(by_tier, seconds, waited)
-        for by_tier, rows, keys, wall in samples.blends:
-            self.add_blend(by_tier, rows, keys, wall)
+        for by_tier, rows, keys, compute, wall in samples.blends:
+            self.add_blend(by_tier, rows, keys, compute, wall)
 
-    def add_compute(self, rows: float, keys: int, seconds: float, kind: str = BLEND) -> None:
+    def add_compute(self, rows: float, keys: int, seconds: float, kind: str = BLEND,
+                    fixed_cost: bool = True) -> None:
+        """One blend's or prefill's compute; a blend's also counts toward a blend's fixed cost
+        unless ``fixed_cost`` is False (its loads may have kept the device waiting)."""
         w = self.work(rows, keys)
         if not (w > 0 and 0 < seconds < float("inf")) or kind not in self._fits:
             return
         with self._lock:
             self._fits[kind].add(w, seconds)
-            if kind == BLEND:
+            if kind == BLEND and fixed_cost:
                 self._blends.append((w, seconds))
 
     def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float, waited: float | None = None) -> None:
@@ -299,9 +309,16 @@ class CostEstimator:
                 per_byte = max(0.0, (low if predicted[t] < low else high) - est[0]) / n
                 est[1] += ALPHA * (per_byte - est[1])
 
-    def add_blend(self, bytes_by_tier: Mapping[str, int], rows: float, keys: int, wall: float) -> None:
+    def add_blend(self, bytes_by_tier: Mapping[str, int], rows: float, keys: int, compute: float,
+                  wall: float) -> None:
         """One blend that loaded ``bytes_by_tier`` and computed ``rows`` per layer over ``keys``
-        tokens in ``wall`` seconds: moves the overlap toward what it shows (module docstring)."""
+        tokens, ``compute`` seconds of its ``wall`` seconds outside load waits: its compute
+        sample (toward a blend's fixed cost only if its predicted transfer is under
+        :data:`OVERLAP_INFORMATIVE` of that compute: on a GPU the host's compute time also holds
+        the device's waits for late layers), then the overlap (module docstring)."""
+        with self._lock:
+            short = self._transfer(bytes_by_tier) <= OVERLAP_INFORMATIVE * compute
+        self.add_compute(rows, keys, compute, BLEND, fixed_cost=short)
         if not (0 < wall < float("inf") and rows > 0 and keys > 0):
             return
         with self._lock:

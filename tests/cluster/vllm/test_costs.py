@@ -168,14 +168,14 @@ def test_the_overlap_is_learned_from_blends_that_loaded_and_computed():
     c, t = est.compute_s(300, 2000), est.transfer_s({"disk": 3 * 10**8})
     assert 0.2 < c / t < 5 and est.overlap == pytest.approx(0.5)
     for _ in range(15):  # one after the other
-        est.add(CostSamples(blends=[({"disk": 3 * 10**8}, 300.0, 2000, c + t)]))
+        est.add(CostSamples(blends=[({"disk": 3 * 10**8}, 300.0, 2000, c, c + t)]))
     assert est.overlap < 0.01 and est.snapshot()["overlap"] == est.overlap
     for _ in range(15):  # a perfect pipeline
-        est.add_blend({"disk": 3 * 10**8}, 300.0, 2000, max(c, t))
+        est.add_blend({"disk": 3 * 10**8}, 300.0, 2000, c, max(c, t))
     assert est.overlap > 0.99
-    est.add_blend({"disk": 1000}, 300.0, 2000, c * 10)  # transfer of 1 us under the compute
-    est.add_blend({"disk": 3 * 10**8}, 300.0, 2000, float("nan"))
-    est.add_blend({"disk": 3 * 10**8}, 0.0, 2000, c + t)
+    est.add_blend({"disk": 1000}, 300.0, 2000, c, c * 10)  # transfer of 1 us under the compute
+    est.add_blend({"disk": 3 * 10**8}, 300.0, 2000, c, float("nan"))
+    est.add_blend({"disk": 3 * 10**8}, 0.0, 2000, c, c + t)
     assert est.overlap > 0.99
 
 
@@ -199,6 +199,21 @@ def test_reads_that_do_not_overlap_compute_turn_a_partial_plan_into_full_prefill
         tokens_loaded = (16 - len(choice.recomputed)) * 500
         loaded = {"disk": tokens_loaded * kv}
         rows = 20 + (8000 - tokens_loaded) + 0.15 * tokens_loaded
-        wall = est.compute_s(rows, plan.blend_end) + est.transfer_s(loaded)  # one after the other
-        est.add(CostSamples(blends=[(loaded, rows, plan.blend_end, wall)]))
+        compute = est.compute_s(rows, plan.blend_end)
+        est.add(CostSamples(blends=[(loaded, rows, plan.blend_end, compute, compute + est.transfer_s(loaded))]))
     assert choice.full_prefill, f"still {len(choice.recomputed)} of 16 recomputed, overlap {est.overlap:.2f}"
+
+
+def test_a_blend_whose_loads_may_have_kept_the_device_waiting_does_not_set_the_fixed_cost():
+    """On a GPU the host's compute time of a blend that read a slow tier holds the device's
+    wait for its layers: such blends feed the compute fit, not a blend's fixed cost (32 of them
+    in a row priced it at 0.10-0.15 s on an H100, above a whole 4K blend)."""
+    est = CostEstimator(k_lin=100.0, priors={"disk": (0.0, 1e9), "gpu": (0.0, 1e12)})
+    for keys in (500, 1000, 2000):
+        est.add_compute(keys, keys, 1e-8 * est.work(keys, keys), "prefill")
+    base = 1e-8 * est.work(300, 2000)
+    est.add(CostSamples(blends=[({"gpu": 10**6}, 300.0, 2000, 0.01 + base, 0.01 + base)]))
+    assert est.blend_overhead_s() == pytest.approx(0.01)
+    for _ in range(40):  # 0.5 s of reads each: the host saw 0.5 s of "compute"
+        est.add(CostSamples(blends=[({"disk": 5 * 10**8}, 300.0, 2000, 0.5 + base, 0.5 + base)]))
+    assert est.blend_overhead_s() == pytest.approx(0.01)
