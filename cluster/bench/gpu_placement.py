@@ -31,8 +31,9 @@ Every source is :func:`cluster.vllm.worker_source.build_worker_source` over the 
 client :class:`cluster.cache.local.LocalCacheClient`. Left out of the product's path: vLLM (its
 scheduler, the connector's metadata, the paged-KV writes), the shard actor and the cache
 agent's hop (measured apart: ``kvblend bench gpu --client``, where the agent delivered 8K
-tokens' chunks within 3% of this machine-local client), and the scheduler and worker being two
-processes (here one process plans and blends). The estimates are fed as the vLLM worker feeds them: by
+tokens' chunks within 3% of this machine-local client on an H200 at ddefb7e, and 3x slower
+on an H100 at 42cb1ab), and the scheduler and worker being two processes (here one process
+plans and blends). The estimates are fed as the vLLM worker feeds them: by
 the blends (always-load and cost-aware alike) and by :data:`PREFILL_SEEDS` prefills of passage sizes
 (the canonical KV a worker computes for missed passages), never by full prefills (vLLM's own); one
 estimator serves every placement, as one worker's does, and :data:`WARMUP_RUNS` cost-aware runs
