@@ -3,9 +3,8 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
 
 * **Compute.** A prefill's compute is modelled as ``seconds = c0 + s * W`` and a blend's as
   the same ``s * W`` plus a blend's own fixed cost (launches, the probe, selection: the least
-  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends), or ``s * W`` times the
-  least ratio of a blend's seconds to ``s * W`` among them where that is more (a blend's row
-  can cost more than a prefill's: gathers, masked attention), with
+  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends), or the blends' own fit
+  where that is more (a blend's row can cost more than a prefill's), with
   ``W = rows * (k_lin + keys / 2)``: ``rows`` computed per layer (mean over layers), each
   through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
   key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
@@ -216,13 +215,11 @@ class CostEstimator:
 
     def compute_s(self, rows: float, keys: int) -> float:
         """A blend's compute: ``rows`` per layer over a ``keys``-token prompt, the larger of
-        two lower envelopes of the recent blends, both at the prefill fit's cost per unit of
-        work ``s * W``: ``s * W`` plus a blend's fixed cost (:meth:`blend_overhead_s`), and
-        ``s * W`` times a blend's least cost factor over prefill (:meth:`blend_factor`). The
-        first fits short prompts (launches, the probe), the second a blend that recomputes
-        many rows (on the H100 one recomputing 4,700 of 8,257 rows took 0.28 s, full prefill
-        0.23 s: priced as fixed cost plus the prefill rate it looked like 0.16 s). The blend
-        fit alone until a prefill was measured."""
+        the blend fit and the prefill fit's cost per unit of work plus a blend's own fixed
+        cost (:meth:`blend_overhead_s`); the blend fit alone until a prefill was measured.
+        The larger: a blend's row can cost more than a prefill's (gathers, the probe, masked
+        attention; on the H100 a blend recomputing 4,700 of 8,257 rows took 0.28 s, full
+        prefill 0.23 s), and the fit of blends alone sees it once their rows vary."""
         with self._lock:
             return self._compute(rows, keys)
 
@@ -230,17 +227,7 @@ class CostEstimator:
         w = self.work(rows, keys)
         if not self._fits[PREFILL].known:
             return self._fits[BLEND](w)
-        sw = self._fits[PREFILL].s * w
-        return max(self._overhead() + sw, self._factor() * sw)
-
-    def _factor(self) -> float:
-        """The least ``seconds / (s_prefill * W)`` over the recent blends (0 with none)."""
-        s = self._fits[PREFILL].s
-        return min((sec / (s * w) for w, sec in self._blends if s * w > 0), default=0.0)
-
-    def blend_factor(self) -> float:
-        with self._lock:
-            return self._factor()
+        return max(self._overhead() + self._fits[PREFILL].s * w, self._fits[BLEND](w))
 
     def _overhead(self) -> float:
         """The least ``seconds - s_prefill * W`` over the recent blends (>= 0): a blend's fixed
@@ -366,8 +353,7 @@ class CostEstimator:
     def snapshot(self) -> dict:
         """The current estimates (for the event log): compute fit and per tier latency / GB/s."""
         with self._lock:
-            return {"blend_overhead_s": self._overhead(), "blend_factor": self._factor(),
-                    "overlap": self._overlap, **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
+            return {"blend_overhead_s": self._overhead(), "overlap": self._overlap, **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
                     **{f"{k}_s_per_work": f.s for k, f in self._fits.items()},
                     "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}
                               for t, (lat, spb) in sorted(self._tiers.items())}}
