@@ -3,8 +3,11 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
 
 * **Compute.** A prefill's compute is modelled as ``seconds = c0 + s * W`` and a blend's as
   the same ``s * W`` plus a blend's own fixed cost (launches, the probe, selection: the least
-  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends), or the blends' own fit
-  where that is more (a blend's row can cost more than a prefill's), with
+  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends whose predicted transfer was
+  under :data:`OVERLAP_INFORMATIVE` of their compute; on a GPU a blend that waited for its
+  layers shows the wait in its host-side compute time, so only the least of those is kept:
+  in the H100 placement run, 32 blends in a row from disk and throttled tiers priced a blend's
+  fixed cost at 0.10-0.15 s, a 4K blend's whole time being 0.06 s), with
   ``W = rows * (k_lin + keys / 2)``: ``rows`` computed per layer (mean over layers), each
   through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
   key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
@@ -12,11 +15,7 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
   by least squares over the samples with exponential forgetting (:data:`FORGET`), so they
   follow a machine that slows down. Samples: every blend (its ``compute_s``, load waits
   excluded, and its rows per layer) and every prefill the worker runs (canonical KV of stored
-  chunks, fallbacks). A blend counts only if its predicted transfer was under
-  :data:`OVERLAP_INFORMATIVE` of its compute (or no blend was measured yet): on a GPU a blend
-  that waited for its layers shows the wait in its host-side compute time (in the H100
-  placement run 32 blends in a row from disk and throttled tiers priced a blend's fixed cost
-  at 0.10-0.15 s, a whole 4K blend taking 0.06 s). Until the first sample :attr:`compute_known` is False and the planner
+  chunks, fallbacks). Until the first sample :attr:`compute_known` is False and the planner
   loads every hit, as before this existed.
 * **Transfer**, per tier that answered a lookup (``gpu``, ``host``, ``disk``, ``redis``,
   ``s3``): ``seconds = latency + bytes / bandwidth``, tiers read one after another (one pipe:
@@ -214,12 +213,9 @@ class CostEstimator:
         return float(rows) * (self.k_lin + keys / 2.0)
 
     def compute_s(self, rows: float, keys: int) -> float:
-        """A blend's compute: ``rows`` per layer over a ``keys``-token prompt, the larger of
-        the blend fit and the prefill fit's cost per unit of work plus a blend's own fixed
-        cost (:meth:`blend_overhead_s`); the blend fit alone until a prefill was measured.
-        The larger: a blend's row can cost more than a prefill's (gathers, the probe, masked
-        attention; on the H100 a blend recomputing 4,700 of 8,257 rows took 0.28 s, full
-        prefill 0.23 s), and the fit of blends alone sees it once their rows vary."""
+        """A blend's compute: ``rows`` per layer over a ``keys``-token prompt, at the prefill
+        fit's cost per unit of work plus a blend's own fixed cost (:meth:`blend_overhead_s`);
+        the blend fit alone until a prefill was measured."""
         with self._lock:
             return self._compute(rows, keys)
 
@@ -227,7 +223,7 @@ class CostEstimator:
         w = self.work(rows, keys)
         if not self._fits[PREFILL].known:
             return self._fits[BLEND](w)
-        return max(self._overhead() + self._fits[PREFILL].s * w, self._fits[BLEND](w))
+        return self._overhead() + self._fits[PREFILL].s * w
 
     def _overhead(self) -> float:
         """The least ``seconds - s_prefill * W`` over the recent blends (>= 0): a blend's fixed
@@ -317,14 +313,12 @@ class CostEstimator:
                   wall: float) -> None:
         """One blend that loaded ``bytes_by_tier`` and computed ``rows`` per layer over ``keys``
         tokens, ``compute`` seconds of its ``wall`` seconds outside load waits: its compute
-        sample only if its predicted transfer is under :data:`OVERLAP_INFORMATIVE` of that
-        compute (on a GPU the host's compute time also holds the device's waits for late
-        layers), or while no blend was measured; then the overlap (module docstring)."""
+        sample (toward a blend's fixed cost only if its predicted transfer is under
+        :data:`OVERLAP_INFORMATIVE` of that compute: on a GPU the host's compute time also holds
+        the device's waits for late layers), then the overlap (module docstring)."""
         with self._lock:
             short = self._transfer(bytes_by_tier) <= OVERLAP_INFORMATIVE * compute
-            first = not self._fits[BLEND].known
-        if short or first:  # a blend that may have waited only until a clean one comes
-            self.add_compute(rows, keys, compute, BLEND, fixed_cost=short)
+        self.add_compute(rows, keys, compute, BLEND, fixed_cost=short)
         if not (0 < wall < float("inf") and rows > 0 and keys > 0):
             return
         with self._lock:
