@@ -12,7 +12,10 @@ The model of one blend (CacheBlend's layer pipeline, Yao et al., EuroSys 2025, Â
     rows(L)     = always computed rows + tokens of the hits not in L + ceil(ratio * tokens of L)
                   (per layer on average: CacheBlend's deviation selections compute all T rows
                   up to the first check layer)
-    compute(L)  = estimates.compute_s(rows(L), T)
+    compute(L)  = compute_s(rows(all hits), T)
+                  + row_factor * (compute_s(rows(L), T) - compute_s(rows(all hits), T))
+                  (the rows a partial plan adds cost ``row_factor`` times the rate: on an H100
+                  a blend's added row cost about 4x a prefill's)
     transfer(L) = estimates.transfer_s({tier: bytes of L's chunks there})
     blend(L)    = max(compute, transfer) + min(compute, transfer) * (1 - overlap + overlap / num_layers)
 
@@ -75,6 +78,13 @@ class CostEstimates(Protocol):
     def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
         """Seconds until every layer of chunks holding ``bytes_by_tier`` bytes (per tier that
         answered their lookup) is on the device; 0 for no bytes."""
+        ...
+
+    @property
+    def row_factor(self) -> float:
+        """>= 1: what a row a partial plan recomputes beyond loading every hit costs, against
+        the rate :meth:`compute_s` prices rows at (a blend's row can cost more than a
+        prefill's: gathers, masked attention)."""
         ...
 
     @property
@@ -155,16 +165,23 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
     # CacheBlend's deviation selections compute every row up to the first check layer
     whole = 0 if plan.selection == "query_attention" else min(num_layers, plan.check_layers[0] + 1)
 
-    overlap = estimates.overlap
+    overlap, factor = estimates.overlap, max(1.0, estimates.row_factor)
+
+    def mean_rows(tokens: int) -> float:
+        rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens)
+        return (whole * keys + (num_layers - whole) * rows) / max(1, num_layers)  # mean rows per layer
+
+    all_rows = mean_rows(hit_tokens)
+    all_compute = estimates.compute_s(all_rows, keys)
 
     def price(loaded: Sequence[tuple[int, object]]) -> float:
         tokens = sum(s.num_tokens for _, s in loaded)
-        rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens)
-        rows = (whole * keys + (num_layers - whole) * rows) / max(1, num_layers)  # mean rows per layer
+        rows = mean_rows(tokens)
+        compute = all_compute + factor * (estimates.compute_s(rows, keys) - all_compute)  # added rows
         by_tier: dict[str, int] = {}
         for _, s in loaded:
             by_tier[s.tier] = by_tier.get(s.tier, 0) + s.num_tokens * kv_bytes_per_token
-        return blend_seconds(estimates.compute_s(rows, keys), estimates.transfer_s(by_tier), num_layers, overlap)
+        return blend_seconds(compute, estimates.transfer_s(by_tier), num_layers, overlap)
 
     full_s = estimates.prefill_s(keys)
     prices = [full_s if k == 0 else price(order[:k]) for k in range(len(order) + 1)]

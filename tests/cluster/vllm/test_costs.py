@@ -217,3 +217,15 @@ def test_a_blend_whose_loads_may_have_kept_the_device_waiting_does_not_set_the_f
     for _ in range(40):  # 0.5 s of reads each: the host saw 0.5 s of "compute"
         est.add(CostSamples(blends=[({"disk": 5 * 10**8}, 300.0, 2000, 0.5 + base, 0.5 + base)]))
     assert est.blend_overhead_s() == pytest.approx(0.01)
+
+
+def test_the_row_factor_is_a_blends_least_cost_over_the_prefill_rate():
+    est = CostEstimator(k_lin=100.0)
+    assert est.row_factor == 1.0  # nothing measured
+    for keys in (500, 1000, 2000):
+        est.add_compute(keys, keys, 1e-8 * est.work(keys, keys), "prefill")
+    for rows, extra in ((300, 0.004), (1500, 0.0)):  # a blend's row costs 3x a prefill's
+        est.add_compute(rows, 2000, extra + 3e-8 * est.work(rows, 2000), "blend")
+    assert est.row_factor == pytest.approx(3.0) and est.snapshot()["row_factor"] == pytest.approx(3.0)
+    est.add_compute(300, 2000, 0.5e-8 * est.work(300, 2000), "blend")  # faster than a prefill: 1
+    assert est.row_factor == 1.0
