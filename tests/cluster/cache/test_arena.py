@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cluster.cache.agent_objects import AgentObjects
-from cluster.cache.arena import ALIGN, ROUNDS, Arena, ArenaWriter
+from cluster.cache.arena import ALIGN, ROUNDS, Arena, ArenaWriter, Progress
 from cluster.cache.headers import arrived
 from cluster.cache.ops import SlotsAnswer
 from tests.factories import HANG_S, make_key, make_object, shard_kv
@@ -273,7 +273,7 @@ def test_a_pipelined_object_is_read_as_its_rounds_arrive_and_its_slot_waits_for_
     """Issue 32: the agent answers once the headers are in and copies the rest in rounds; a
     reader waits (bounded) only for the round that holds what it reads, gives up when the
     agent is gone, and the slot of an object still being copied is never handed out again."""
-    from cluster.cache.arena import Progress, rounds_for
+    from cluster.cache.arena import rounds_for
     from tiers.format import parse_header
 
     key = make_key(98700)
@@ -305,3 +305,51 @@ def test_a_pipelined_object_is_read_as_its_rounds_arrive_and_its_slot_waits_for_
     word[0] = have  # another call still arriving when its agent dies: a waiting reader gives up at once
     arena.retire()
     assert not progress.wait(size, header.header_end, size, time.monotonic() + HANG_S)
+
+
+def test_the_agents_background_copy_runs_in_stripes_and_its_word_counts_rounds_every_stripe_did(monkeypatch):
+    """The pipelined copy over several threads (one thread's memcpy held the agent's cold 8K
+    transfer on the H100 to 0.217 s against 0.068 s for the machine-local client): every byte
+    arrives bit-exact, and the progress word never says a round some stripe has not copied."""
+    import cluster.cache.arena as arena_mod
+
+    monkeypatch.setattr(arena_mod, "_PARALLEL_BYTES", 1024)
+    monkeypatch.setattr(arena_mod, "COPY_THREADS", 3)
+    objs = [np.frombuffer(make_object(make_key(98800 + i), shard_kv(6 + i, num_tokens=64)), np.uint8)
+            for i in range(3)]
+    arena = Arena(4 << 20)
+    writer = ArenaWriter(os.dup(arena.fd), arena.nbytes)
+    slots = [arena.reserve(o.nbytes) for o in objs]
+    progress = Progress(arena.reserve(8))
+    word = np.frombuffer(arena._mm, np.uint64, 1, progress.offset)
+    pages = np.frombuffer(arena._mm, np.uint8)
+    seen = []
+    real = arena_mod._copy_rounds
+
+    def watched(pairs, heads, word_, stripe, done):
+        real(pairs, heads, word_, stripe, done)
+        seen.append(len(done))
+
+    monkeypatch.setattr(arena_mod, "_copy_rounds", watched)
+    sizes = writer.write_progressively([(s.offset, s.nbytes, o) for s, o in zip(slots, objs, strict=True)],
+                                       progress.offset)
+    assert sizes == [o.nbytes for o in objs]
+    deadline = time.monotonic() + HANG_S
+    while int(word[0]) < ROUNDS and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert int(word[0]) == ROUNDS and seen == [3, 3, 3]  # three stripes ran
+    for s, o in zip(slots, objs, strict=True):
+        assert bytes(pages[s.offset:s.offset + o.nbytes]) == bytes(o)
+
+
+def test_a_stripe_that_lags_holds_the_progress_word_back():
+    from cluster.cache.arena import _copy_rounds
+
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    word = np.zeros(1, np.uint64)
+    done = [0, 0]
+    _copy_rounds([(dst, src)], [0], word, 0, done)  # stripe 0 of 2 done, stripe 1 not started
+    assert done == [ROUNDS, 0] and int(word[0]) == 0
+    _copy_rounds([(dst, src)], [0], word, 1, done)
+    assert int(word[0]) == ROUNDS and bytes(dst) == bytes(src)
