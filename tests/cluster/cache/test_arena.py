@@ -170,7 +170,7 @@ def object_bound_of(objects: dict) -> int:
 
 
 def test_a_full_arena_is_a_counted_miss_and_a_larger_object_is_refitted(monkeypatch):
-    from cluster.cache import client as client_mod
+    from cluster.cache import layer_reads as client_mod  # map_for_read bounds each object there
 
     key, other = make_key(98200), make_key(98201)
     obj = make_object(key, shard_kv(1, num_tokens=64))

@@ -12,8 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.cache import client as client_mod
-from cluster.cache import ray_transport
+from cluster.cache import layer_reads, ray_transport
 from cluster.cache.headers import HeaderEntry
 from cluster.cache.ops import ObjectsRequest
 from tests.factories import make_key, ray_free_client
@@ -33,7 +32,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch) -> _Clock:
     c = _Clock()
-    monkeypatch.setattr(client_mod, "time", c)
+    monkeypatch.setattr(layer_reads, "time", c)  # the read deadline
     monkeypatch.setattr(ray_transport, "time", c)
     return c
 
