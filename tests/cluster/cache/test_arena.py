@@ -314,7 +314,7 @@ def test_the_agents_background_copy_runs_in_stripes_and_its_word_counts_rounds_e
     import cluster.cache.arena as arena_mod
 
     monkeypatch.setattr(arena_mod, "_PARALLEL_BYTES", 1024)
-    monkeypatch.setattr(arena_mod, "COPY_THREADS", 3)
+    monkeypatch.setattr(arena_mod, "COPY_THREADS", 6)  # three stripes: half the copy threads
     objs = [np.frombuffer(make_object(make_key(98800 + i), shard_kv(6 + i, num_tokens=64)), np.uint8)
             for i in range(3)]
     arena = Arena(4 << 20)
