@@ -25,11 +25,13 @@ hides under the longer: 1 is the pipeline at its best (only its first layer show
 after the other. It is measured, not assumed (:attr:`CostEstimates.overlap`): on an H100 a
 16K-token blend that recomputed half its chunks while reading the other half from disk took
 0.65 s, the sum of its compute and its reads (0.30 + 0.30 s), where a perfect pipeline prices
-0.31 s and full prefill took 0.52 s (``docs/benchmarks.md``, the placement run). Full prefill costs ``prefill_s(T)``. Chunks are ordered by their
-transfer time per token (the fastest tiers first) and every prefix of that order is priced,
-from "load none" (full prefill) to "load all" (today's plan); the cheapest wins, ties going to
-more loads, and anything but "load all" only when it is :data:`MARGIN` sooner. So when some chunks are fast and others slow the slow ones are recomputed while the
-fast ones load: Cake (Jin et al., arXiv 2410.03065) computes the front of a prompt while the
+0.31 s and full prefill took 0.52 s (``docs/benchmarks.md``, the placement run).
+
+Full prefill costs ``prefill_s(T)``. Chunks are ordered by their transfer time per token (the
+fastest tiers first) and every prefix of that order is priced, from "load none" (full prefill)
+to "load all" (today's plan); the cheapest wins, ties going to more loads, and anything but
+"load all" only when it is :data:`MARGIN` sooner. So when some chunks are fast and others slow
+the slow ones are recomputed while the fast ones load: Cake (Jin et al., arXiv 2410.03065) computes the front of a prompt while the
 back loads; here the split falls per chunk, in CacheBlend's pipeline, wherever the prices say.
 
 Until the estimates know the compute speed (``compute_known`` false: no request measured yet)

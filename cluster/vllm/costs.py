@@ -236,9 +236,11 @@ class CostEstimator:
         prefill rate per added row). Priced by :func:`blend.cost.choose` on the rows a partial
         plan adds over loading every hit."""
         with self._lock:
-            s = self._fits[PREFILL].s
-            got = min((sec / (s * w) for w, sec in self._blends if s * w > 0), default=1.0)
-            return max(1.0, got)
+            return self._row_factor()
+
+    def _row_factor(self) -> float:
+        s = self._fits[PREFILL].s
+        return max(1.0, min((sec / (s * w) for w, sec in self._blends if s * w > 0), default=1.0))
 
     def _overhead(self) -> float:
         """The least ``seconds - s_prefill * W`` over the recent blends (>= 0): a blend's fixed
@@ -362,9 +364,8 @@ class CostEstimator:
     def snapshot(self) -> dict:
         """The current estimates (for the event log): compute fit and per tier latency / GB/s."""
         with self._lock:
-            s = self._fits[PREFILL].s
-            factor = max(1.0, min((sec / (s * w) for w, sec in self._blends if s * w > 0), default=1.0))
-            return {"blend_overhead_s": self._overhead(), "row_factor": factor, "overlap": self._overlap, **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
+            return {"blend_overhead_s": self._overhead(), "row_factor": self._row_factor(),
+                    "overlap": self._overlap, **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
                     **{f"{k}_s_per_work": f.s for k, f in self._fits.items()},
                     "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}
                               for t, (lat, spb) in sorted(self._tiers.items())}}
