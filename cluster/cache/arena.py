@@ -409,14 +409,13 @@ def _copy_all(pieces) -> None:
         np.copyto(dst, src)
 
 
-def _copy_rounds(pairs, heads: list[int], word: np.ndarray, stripe: int = 0, done: list[int] | None = None) -> None:
+def _copy_rounds(pairs, heads: list[int], word: np.ndarray, stripe: int, done: list[int]) -> None:
     """One thread of the agent's background copy of a pipelined call: round ``r`` copies stripe
     ``stripe`` (of ``len(done)``) of the ``r``-th share of every object's bytes after its
     header; ``word`` says the least round every stripe has done. Stripes, not one thread: one
     thread's memcpy ran at ~5 GB/s on the H100's host, and the cold 8K transfer through the
     agent took 0.217 s against 0.068 s for the machine-local client (0.070 s on the H200 when
     the agent still copied with :data:`COPY_THREADS` threads before answering)."""
-    done = done if done is not None else [0]
     stripes = len(done)
     for r in range(1, ROUNDS + 1):
         for (dst, src), head in zip(pairs, heads, strict=True):

@@ -167,20 +167,20 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     by the vLLM worker after each blend and prefill, and by ``kvblend bench gpu --placement``
     the same way."""
     out = CostSamples()
-    rows = counters.recomputed_tokens_per_layer
-    computed = bool(rows) and counters.compute_s > 0
+    by_tier: dict[str, int] | None = None
     if plan is not None and counters.transfer_s > 0 and counters.full_prefill_reason is None and per_token:
-        by_tier: dict[str, int] = {}
+        by_tier = {}
         for seg in plan.hit_segments:
             by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
         out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s)))
-        if computed:
-            out.blends.append((by_tier, sum(rows) / len(rows), keys, counters.compute_s,
-                               counters.compute_s + counters.load_wait_s))
-            return out
-    if computed:
-        kind = BLEND if counters.num_hit_segments and counters.full_prefill_reason is None else PREFILL
-        out.compute.append((sum(rows) / len(rows), keys, counters.compute_s, kind))
+    rows = counters.recomputed_tokens_per_layer
+    if rows and counters.compute_s > 0:
+        mean = sum(rows) / len(rows)
+        if by_tier is not None:  # a blend that loaded: its compute and wall time together
+            out.blends.append((by_tier, mean, keys, counters.compute_s, counters.compute_s + counters.load_wait_s))
+        else:
+            kind = BLEND if counters.num_hit_segments and counters.full_prefill_reason is None else PREFILL
+            out.compute.append((mean, keys, counters.compute_s, kind))
     return out
 
 
@@ -334,12 +334,12 @@ class CostEstimator:
         :data:`OVERLAP_INFORMATIVE` of that compute: on a GPU the host's compute time also holds
         the device's waits for late layers), then the overlap (module docstring)."""
         with self._lock:
-            short = self._transfer(bytes_by_tier) <= OVERLAP_INFORMATIVE * compute
-        self.add_compute(rows, keys, compute, BLEND, fixed_cost=short)
+            t = self._transfer(bytes_by_tier)
+        self.add_compute(rows, keys, compute, BLEND, fixed_cost=t <= OVERLAP_INFORMATIVE * compute)
         if not (0 < wall < float("inf") and rows > 0 and keys > 0):
             return
         with self._lock:
-            c, t = self._compute(rows, keys), self._transfer(bytes_by_tier)
+            c = self._compute(rows, keys)
             low, high = min(c, t), max(c, t)
             if not (low > 0 and low >= OVERLAP_INFORMATIVE * high):
                 return
