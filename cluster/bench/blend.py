@@ -52,6 +52,8 @@ PREFIX = ("<|im_start|>system\nYou will be asked a question after reading severa
           "The answer should be within 5 words.<|im_end|>\n<|im_start|>user\nPassages:")
 QUERY = "Question: {question}\nAnswer within 5 words.<|im_end|>\n<|im_start|>assistant\n"
 DEFAULT_RATIOS = "0,0.05,0.15,0.3,1.0"
+#: Seconds between checkpoints of the JSON during a dataset (the rows so far, summarized).
+CHECKPOINT_S = 30.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     modes = _modes(ratios, selections)
     bench = _Bench(args, check_layers)
     summaries: dict[str, dict] = {}
-    warmed = False
+    warmed, last_write = False, time.monotonic()
     for dataset in [x.strip() for x in args.dataset.split(",") if x.strip()]:
         rows: list[dict] = []
         for ex in tqdm(bench.load(dataset), desc=f"bench blend {dataset}", unit="example"):
@@ -196,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
             for mode in modes:
                 row[mode.name] = bench.blend_mode(ex, ids, spans, mode, full)
             rows.append(row)
+            if time.monotonic() - last_write >= CHECKPOINT_S:  # a run killed by a timeout keeps its rows
+                summaries[dataset] = _summary(args, bench, dataset, rows, modes, check_layers)
+                _write_json(args.json, summaries)
+                last_write = time.monotonic()
         summaries[dataset] = _summary(args, bench, dataset, rows, modes, check_layers)
         report.print_table(summaries[dataset], modes)
         _write(args, summaries, modes, selections)  # after each dataset: a long run keeps what it measured
@@ -380,11 +386,17 @@ def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[d
     return summary
 
 
-def _write(args: argparse.Namespace, summaries: dict, modes: list[_Mode], selections: list[str]) -> None:
-    """The JSON (``{"datasets": {name: summary}}``) and the PNG beside it."""
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as fh:
+def _write_json(path: str, summaries: dict) -> None:
+    """``{"datasets": {name: summary}}`` to ``path``, replaced whole (a reader never sees half)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as fh:
         json.dump({"datasets": summaries}, fh, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _write(args: argparse.Namespace, summaries: dict, modes: list[_Mode], selections: list[str]) -> None:
+    """The JSON (:func:`_write_json`) and the PNG beside it."""
+    _write_json(args.json, summaries)
     png = os.path.splitext(args.json)[0] + ".png"
     try:
         report.plot(summaries, modes, selections, png)
