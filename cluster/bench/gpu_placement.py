@@ -31,9 +31,11 @@ Every source is :func:`cluster.vllm.worker_source.build_worker_source` over the 
 client :class:`cluster.cache.local.LocalCacheClient`. Left out of the product's path: vLLM (its
 scheduler, the connector's metadata, the paged-KV writes), the shard actor and the cache
 agent's hop (measured apart: ``kvblend bench gpu --client``, where the agent delivered 8K
-tokens' chunks within 3% of this machine-local client on an H200 at ddefb7e, and 3x slower
-on an H100 at 42cb1ab), and the scheduler and worker being two processes (here one process
-plans and blends). The estimates are fed as the vLLM worker feeds them: by
+tokens' chunks within 3% of this machine-local client on an H200 at ddefb7e, 3x slower
+on an H100 at 42cb1ab and 1.45x slower there at fb340fe), and the scheduler and worker being
+two processes (here one process plans and blends). Each row's ``predicted`` holds, per timed
+cost-aware run, what the estimates expected of the chosen plan, of full prefill and of
+always-load (seconds), beside the ``choices`` it made. The estimates are fed as the vLLM worker feeds them: by
 the blends (always-load and cost-aware alike) and by :data:`PREFILL_SEEDS` prefills of passage sizes
 (the canonical KV a worker computes for missed passages), never by full prefills (vLLM's own); one
 estimator serves every placement, as one worker's does, and :data:`WARMUP_RUNS` cost-aware runs
@@ -160,7 +162,7 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
         for length in lengths:
             for placement in args.placement:
                 rows.append(_cell(bench, places, estimator, per_token, length, placement))
-                log.info("%s", {k: v for k, v in rows[-1].items() if k != "choices"})
+                log.info("%s", {k: v for k, v in rows[-1].items() if k not in ("choices", "predicted")})
                 if partial is not None:
                     partial(report(settle))
         return report(settle)
@@ -169,9 +171,12 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
         bench.close()
 
 
-def _run(bench, places, estimator, per_token: int, placement: str, plan, keys, way: str) -> tuple[float, str]:
+def _run(bench, places, estimator, per_token: int, placement: str, plan, keys,
+         way: str) -> tuple[float, str, list[float] | None]:
     """One timed request ``way`` (full / always_load / cost_aware) at ``placement``: seconds to
-    first-token logits and what the plan did (``full``, ``load``, or ``recompute:<k>``)."""
+    first-token logits, what the plan did (``full``, ``load``, or ``recompute:<k>``) and, for a
+    cost-aware request, what the estimates predicted: ``[chosen, full prefill, always-load]``
+    seconds (the lookup event's ``cost`` record)."""
     from cluster.vllm.costs import plan_with_costs, samples_of
 
     source = places.sources[placement]
@@ -182,20 +187,23 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys, w
     if way == "full":  # vLLM's own prefill: the worker measures nothing of it
         engine.prefill(list(plan.token_ids), want_logits=True)
         bench._sync()  # noqa: SLF001
-        return time.perf_counter() - t0, did
+        return time.perf_counter() - t0, did, None
     metas = source.lookup(keys)
     if any(m is None for m in metas):
         raise RuntimeError(f"{placement}: the chunks were not found")
     tiers = {m.key: m.tier for m in metas}
     plan = dataclasses.replace(plan, segments=tuple(dataclasses.replace(s, tier=tiers.get(s.key, s.tier))
                                                     if s.key is not None else s for s in plan.segments))
+    predicted = None
     if way == "cost_aware":
-        plan, _record, _ = plan_with_costs(plan, estimator, kv_bytes_per_token=per_token,
+        plan, record, _ = plan_with_costs(plan, estimator, kv_bytes_per_token=per_token,
                                           num_layers=bench.spec.num_layers)
+        if record is not None:
+            predicted = [record["expected_s"], record["full_s"], record["always_load_s"]]
         if not plan.blend:  # vLLM computes the prompt
             engine.prefill(list(plan.token_ids), want_logits=True)
             bench._sync()  # noqa: SLF001
-            return time.perf_counter() - t0, "full"
+            return time.perf_counter() - t0, "full", predicted
     res = engine.blend(plan, want_logits=True)
     bench._sync()  # noqa: SLF001
     seconds = time.perf_counter() - t0
@@ -203,7 +211,7 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys, w
         raise RuntimeError(f"{placement}: the blend fell back: {res.counters.full_prefill_reason}")
     estimator.add(samples_of(res.counters, plan.blend_end, plan, per_token))
     recomputed = sum(s.recomputed for s in plan.segments)
-    return seconds, f"recompute:{recomputed}" if recomputed else "load"
+    return seconds, f"recompute:{recomputed}" if recomputed else "load", predicted
 
 
 def _cell(bench, places, estimator, per_token: int, length: int, placement: str) -> dict:
@@ -225,14 +233,16 @@ def _cell(bench, places, estimator, per_token: int, length: int, placement: str)
         _run(bench, places, estimator, per_token, placement, plan, keys, "cost_aware")
     times: dict[str, list[float]] = {w: [] for w in ways}
     choices: list[str] = []
+    predicted: list[list[float] | None] = []
     for _ in range(bench.args.repeats):
         for way in ways:
-            seconds, did = _run(bench, places, estimator, per_token, placement, plan, keys, way)
+            seconds, did, pred = _run(bench, places, estimator, per_token, placement, plan, keys, way)
             times[way].append(seconds)
             if way == "cost_aware":
                 choices.append(did)
+                predicted.append(pred)
     row = {"tokens": len(plan.token_ids), "placement": placement, "num_chunks": len(keys),
-           "repeats": bench.args.repeats, "choices": choices}
+           "repeats": bench.args.repeats, "choices": choices, "predicted": predicted}
     for way in ways:
         s = _stats(times[way])
         row.update({f"{way}_s": s["median"], f"{way}_min_s": s["min"], f"{way}_max_s": s["max"]})

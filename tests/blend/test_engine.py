@@ -386,3 +386,25 @@ def test_blend_steps_falls_back_midway(make_setup):
     assert first == 0 and "could not be read" in res.counters.full_prefill_reason
     assert rest[-engine.spec.num_layers:] == list(range(engine.spec.num_layers))
     assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)
+
+
+def test_compute_time_ends_when_the_device_is_done(make_setup, monkeypatch):
+    """The device wait runs once, at the end of a prefill and of a blend, and its time is the
+    request's compute (a GPU prefill without logits would otherwise time only the launches)."""
+    import blend.engine as engine_mod
+
+    engine, client, chunks = _setup(make_setup, num_chunks=3, chunk_len=24)
+    clock = {"now": 0.0, "waits": 0}
+
+    def device_done():  # stands in for torch.cuda.synchronize: the device's queued work takes 5 s
+        clock["waits"] += 1
+        clock["now"] += 5.0
+
+    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(engine, "_device_done", device_done)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    full = engine.prefill(ids, want_logits=False)
+    assert clock["waits"] == 1 and full.counters.compute_s == 5.0
+    res = engine.blend(plan_for(ids, spans, client, ratio=0.15))
+    assert res.counters.full_prefill_reason is None and res.counters.num_hit_segments == 3
+    assert clock["waits"] == 2 and res.counters.compute_s == 5.0 - res.counters.load_wait_s
