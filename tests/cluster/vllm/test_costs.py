@@ -229,3 +229,17 @@ def test_the_row_factor_is_a_blends_least_cost_over_the_prefill_rate():
     assert est.row_factor == pytest.approx(3.0) and est.snapshot()["row_factor"] == pytest.approx(3.0)
     est.add_compute(300, 2000, 0.5e-8 * est.work(300, 2000), "blend")  # faster than a prefill: 1
     assert est.row_factor == 1.0
+
+
+def test_a_tier_faster_than_its_prior_is_priced_at_once():
+    """One tier whose bytes all arrived well before the prediction: the estimate goes to the
+    bound at once (four requests at full prefill on the H100 before); a slower one moves ALPHA
+    of the way, and so does a tier sharing a multi-tier interval."""
+    est = CostEstimator(k_lin=1.0, priors={"host": (0.0, 10e9), "disk": (0.0, 1e9)})
+    est.add_transfer({"host": 2 * 10**9}, 0.035, 0.0)  # 2 GB in 35 ms: at least 57 GB/s
+    assert est.snapshot()["tiers"]["host"]["gbps"] == pytest.approx(2e9 / 0.035 / 1e9)
+    est.add_transfer({"disk": 10**9}, 2.0, 2.0)  # 1 GB took 2 s, 1 predicted: 30% of the way
+    assert 0.75 < est.snapshot()["tiers"]["disk"]["gbps"] < 0.8
+    mixed = CostEstimator(k_lin=1.0, priors={"host": (0.0, 10e9), "disk": (0.0, 1e9)})
+    mixed.add_transfer({"host": 10**9, "disk": 10**9}, 0.11, 0.0)  # both sooner: shares move 30%
+    assert 10.0 < mixed.snapshot()["tiers"]["host"]["gbps"] < 20.0
