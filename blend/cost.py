@@ -31,8 +31,8 @@ Full prefill costs ``prefill_s(T)``. Chunks are ordered by their transfer time p
 fastest tiers first) and every prefix of that order is priced, from "load none" (full prefill)
 to "load all" (today's plan); the cheapest wins, ties going to more loads, and anything but
 "load all" only when it is :data:`MARGIN` sooner. So when some chunks are fast and others slow
-the slow ones are recomputed while the fast ones load: Cake (Jin et al., arXiv 2410.03065) computes the front of a prompt while the
-back loads; here the split falls per chunk, in CacheBlend's pipeline, wherever the prices say.
+the slow ones are recomputed while the fast ones load: Cake (Jin et al., arXiv 2410.03065)
+computes the front of a prompt while the back loads; here the split falls per chunk, in CacheBlend's pipeline, wherever the prices say.
 
 Until the estimates know the compute speed (``compute_known`` false: no request measured yet)
 every hit is loaded, as before this choice existed. So is every hit of a plan whose recompute

@@ -238,7 +238,8 @@ class BlendEngine:
                 reason = str(e)
         counters = BlendCounters(num_segments=len(chunks), computed_tokens=num_tokens,
                                  load_wait_s=counters.load_wait_s, full_prefill_reason=reason)
-        result = yield from _timed(self._full(token_ids, want_logits, on_layer, counters), spent, self._device_done)
+        result = yield from _timed(self._full(token_ids, want_logits, on_layer, counters), spent,
+                                   self._device_done)
         counters.compute_s = spent[0] - counters.load_wait_s
         self._log(counters)
         return result

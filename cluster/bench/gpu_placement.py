@@ -35,11 +35,11 @@ tokens' chunks within 3% of this machine-local client on an H200 at ddefb7e, 3x 
 on an H100 at 42cb1ab and 1.45x slower there at fb340fe), and the scheduler and worker being
 two processes (here one process plans and blends). Each row's ``predicted`` holds, per timed
 cost-aware run, what the estimates expected of the chosen plan, of full prefill and of
-always-load (seconds), beside the ``choices`` it made. The estimates are fed as the vLLM worker feeds them: by
-the blends (always-load and cost-aware alike) and by :data:`PREFILL_SEEDS` prefills of passage sizes
-(the canonical KV a worker computes for missed passages), never by full prefills (vLLM's own); one
-estimator serves every placement, as one worker's does, and :data:`WARMUP_RUNS` cost-aware runs
-per cell precede the timed ones.
+always-load (seconds), beside the ``choices`` it made. The estimates are fed as the vLLM
+worker feeds them: by the blends (always-load and cost-aware alike) and by
+:data:`PREFILL_SEEDS` prefills of passage sizes (the canonical KV a worker computes for missed
+passages), never by full prefills (vLLM's own); one estimator serves every placement, as one
+worker's does, and :data:`WARMUP_RUNS` cost-aware runs per cell precede the timed ones.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ bytes read in-process. Here the bytes cross once, by one ``memcpy`` in the agent
 
 Pipelined (issue 32: the copy overlaps the reads). The agent copies each object's header into
 its slot, answers, then copies the rest in :data:`ROUNDS` rounds in the background (up to
-half of :data:`COPY_THREADS` threads, each a stripe of every round), the same share of every object in
-each round, writing the rounds every stripe has done into the request's progress word
+half of :data:`COPY_THREADS` threads, each a stripe of every round), the same share of every
+object in each round, writing the rounds every stripe has done into the request's progress word
 (:class:`Progress`, 8 bytes in a slot of their own). A reader waits (:meth:`Progress.wait`, polled
 every :data:`POLL_S`, bounded by its deadline) only for the round that holds the layer it reads,
 so layer 0 is read while later layers are still being copied (the CUDA worker's staging waits
