@@ -70,6 +70,7 @@ from blend.rows import (
     request_rows,
     start_fetch,
 )
+from blend.steps import run_steps, timed_steps, wait_for_device
 
 log = logging.getLogger(__name__)
 
@@ -79,39 +80,6 @@ DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv"}
 QUERY_SELECTIONS = ("query_attention", "query_k_deviation")
 
 OnLayer = Callable[[int, torch.Tensor], None]
-
-
-def run_steps(steps: Generator[int, None, BlendResult]) -> BlendResult:
-    """Drive a step generator (:meth:`BlendEngine.blend_steps`) to its end, gradients off;
-    returns its result."""
-    with torch.no_grad():
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
-
-
-def _timed(steps: Generator[int, None, BlendResult], spent: list[float],
-           done: Callable[[], None] | None = None) -> Generator[int, None, BlendResult]:
-    """Pass ``steps`` through, adding the seconds spent inside each step to ``spent[0]``;
-    closing it closes ``steps``. ``done`` runs inside the last step, after ``steps`` returned:
-    the engine passes its device wait (:meth:`BlendEngine._device_done`), so that the time ends
-    when the device's work has, not when the host queued it."""
-    try:
-        while True:
-            t0 = time.perf_counter()
-            try:
-                layer_idx = next(steps)
-            except StopIteration as stop:
-                if done is not None:
-                    done()
-                return stop.value
-            finally:
-                spent[0] += time.perf_counter() - t0
-            yield layer_idx
-    finally:
-        steps.close()
 
 
 class _Fallback(Exception):
@@ -172,8 +140,8 @@ class BlendEngine:
         """
         counters = BlendCounters(computed_tokens=len(token_ids))
         spent = [0.0]
-        result = run_steps(_timed(self._full(list(token_ids), want_logits, on_layer, counters), spent,
-                                  self._device_done))
+        steps = self._full(list(token_ids), want_logits, on_layer, counters)
+        result = run_steps(timed_steps(steps, spent, self._device_done))
         counters.compute_s = spent[0]
         return result
 
@@ -229,8 +197,8 @@ class BlendEngine:
             if plan.selection in QUERY_SELECTIONS:
                 qs.probe_layers_for(plan.probe_layers, self.spec.num_layers)  # raises when outside
             try:
-                result = yield from _timed(self._blend(plan, want_logits, on_layer, counters), spent,
-                                          self._device_done)
+                steps = self._blend(plan, want_logits, on_layer, counters)
+                result = yield from timed_steps(steps, spent, self._device_done)
                 counters.compute_s = spent[0] - counters.load_wait_s
                 self._log(counters)
                 return result
@@ -238,8 +206,8 @@ class BlendEngine:
                 reason = str(e)
         counters = BlendCounters(num_segments=len(chunks), computed_tokens=num_tokens,
                                  load_wait_s=counters.load_wait_s, full_prefill_reason=reason)
-        result = yield from _timed(self._full(token_ids, want_logits, on_layer, counters), spent,
-                                   self._device_done)
+        steps = self._full(token_ids, want_logits, on_layer, counters)
+        result = yield from timed_steps(steps, spent, self._device_done)
         counters.compute_s = spent[0] - counters.load_wait_s
         self._log(counters)
         return result
@@ -247,15 +215,8 @@ class BlendEngine:
     # ----------------------------------------------------------------- helpers
 
     def _device_done(self) -> None:
-        """Wait for the model's device to finish the request's queued work (one wait per request,
-        at its end; nothing on the CPU). Without it ``counters.compute_s`` of a GPU prefill
-        without logits is the host's launch time: on the H100 the prefills that seed the cost
-        estimates (``kvblend bench gpu --placement``) priced full prefill at half its time
-        (0.072 s predicted, 0.105-0.110 s measured at 4K), and the planner chose full prefill
-        where loading was 1.5x faster."""
-        device = self.model.device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        """The end of a request's timed work: :func:`blend.steps.wait_for_device` on the model's."""
+        wait_for_device(self.model.device)
 
     def _check_length(self, num_tokens: int) -> None:
         if num_tokens <= 0:
