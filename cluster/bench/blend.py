@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             if time.monotonic() - last_write >= CHECKPOINT_S:  # a run killed by a timeout keeps its rows
                 summaries[dataset] = _summary(args, bench, dataset, rows, modes, check_layers)
-                _write_json(args.json, summaries)
+                checkpoint(args.json, summaries)
                 last_write = time.monotonic()
         summaries[dataset] = _summary(args, bench, dataset, rows, modes, check_layers)
         report.print_table(summaries[dataset], modes)
@@ -392,6 +392,17 @@ def _write_json(path: str, summaries: dict) -> None:
     with open(path + ".tmp", "w") as fh:
         json.dump({"datasets": summaries}, fh, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def checkpoint(path: str, summaries: dict) -> bool:
+    """:func:`_write_json` during a run: a failure (full disk, a path gone) is logged and the run
+    goes on with its rows in memory (the JSON at the end of the dataset tries again). False then."""
+    try:
+        _write_json(path, summaries)
+        return True
+    except OSError as e:
+        log.warning("bench blend: checkpoint of %s failed (%s); the run goes on", path, e)
+        return False
 
 
 def _write(args: argparse.Namespace, summaries: dict, modes: list[_Mode], selections: list[str]) -> None:

@@ -48,3 +48,19 @@ def test_malformed_rows_are_refused(bad):
 def test_rows_past_the_end_are_refused():
     with pytest.raises(ValueError, match="102 rows"):
         load_rows("wikimqa", "20:103", 0)
+
+
+def test_a_checkpoint_writes_the_rows_whole_and_a_failed_one_does_not_stop_the_run(tmp_path, caplog):
+    """A long run keeps what it measured: the checkpoint replaces the JSON whole; one that
+    cannot be written is logged and returns False instead of raising."""
+    from cluster.bench.blend import checkpoint
+
+    path = tmp_path / "out.json"
+    assert checkpoint(str(path), {"musique": {"examples": [{"id": "a"}]}})
+    assert json.loads(path.read_text()) == {"datasets": {"musique": {"examples": [{"id": "a"}]}}}
+    assert not (tmp_path / "out.json.tmp").exists()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with caplog.at_level("WARNING"):
+        assert not checkpoint(str(blocked / "out.json"), {"musique": {}})  # a file where a folder must be
+    assert "checkpoint" in caplog.text and json.loads(path.read_text())["datasets"]["musique"]["examples"]
