@@ -68,6 +68,9 @@ class BlendConfig:
         True, "price loading each hit chunk (its tier's measured latency and bandwidth) against recomputing it, and "
         "recompute the chunks that would arrive later than they compute, or the whole prompt when full prefill is "
         "sooner (issue 34); off: every hit is loaded")
+    compile_layers: bool = _f(
+        True, "on CUDA, torch.compile the fused Llama layers a vLLM worker blends with, once, when the worker "
+        "registers its KV caches (before the first request); off, or on CPU: eager")
     load_timeout_s: float = _f(
         DEFAULT_LOAD_TIMEOUT_S, "seconds the blend waits for a cached layer once it needs it; past that the request is "
         "recomputed by full prefill (counted as a fallback)", (0.01, 3600.0))

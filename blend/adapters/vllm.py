@@ -1,4 +1,16 @@
-"""The vLLM adapter of :class:`blend.protocols.BlendModel`, over vLLM's own modules.
+"""The blend model of a vLLM worker: :func:`vllm_adapter`, and the module-by-module fallback.
+
+:func:`vllm_adapter` is what ``cluster/vllm/worker.py`` builds. For unquantized and quantized
+Llama-family layers (``LlamaForCausalLM``, ``MistralForCausalLM``: bias-free projections, SiLU-gated
+MLP, RMSNorm, full-width neox RoPE) it returns
+:class:`blend.adapters.fused_layers.FusedLlamaLayers` over vLLM's own parameters, no weight copy:
+the same code ``kvblend bench gpu`` times. Its projections are vLLM's weight tensors (one GEMM
+each: vLLM already fuses q|k|v and gate|up) where vLLM left a plain weight, and the vLLM linear
+module itself (called, so vLLM's kernels run) where the linear is quantized or vLLM's CPU
+backend packed its weight away (``dispatch_cpu_unquantized_gemm``). Any other model gets
+:class:`VLLMModelAdapter`, described below; the reason is logged.
+
+:class:`VLLMModelAdapter`, over vLLM's own modules:
 
 Wraps a vLLM decoder-only model already loaded by a vLLM worker (``LlamaForCausalLM`` and
 models with the same seams: Qwen2, Mistral-style Llama) and calls its modules directly —
@@ -25,10 +37,125 @@ with a non-neox or partial rotary embedding is refused with ``ValueError``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from blend.adapters.fused_layers import FusedLlamaLayers, LlamaLayerWeights, Projection
 from blend.adapters.hf import spec_from_config
 from blend.rope import check_rope_linear, inv_freq_for, rerotate_k
+
+log = logging.getLogger(__name__)
+
+#: ``config.model_type`` values whose vLLM decoder layer is Llama's.
+FUSED_VLLM_MODEL_TYPES = ("llama", "mistral")
+
+
+def vllm_adapter(model: torch.nn.Module, model_id: str = "vllm", *,
+                 compile: bool = False) -> FusedLlamaLayers | VLLMModelAdapter:
+    """The :class:`~blend.protocols.BlendModel` a vLLM worker blends with (see module doc).
+
+    Args:
+        model: the ``*ForCausalLM`` vLLM built in this process.
+        model_id: name used in the spec.
+        compile: ``torch.compile`` the fused layers (only where every projection is a plain
+            weight); the caller warms them up (:meth:`FusedLlamaLayers.warm_up`).
+
+    Raises:
+        ValueError: what :class:`VLLMModelAdapter` refuses (tensor parallelism, RoPE).
+    """
+    try:
+        fused = fused_vllm_layers(model, model_id, compile=compile)
+    except ValueError as e:
+        log.info("blending through vLLM's modules (VLLMModelAdapter), not the fused layers: %s", e)
+        return VLLMModelAdapter(model, model_id)
+    log.info("blending with FusedLlamaLayers over %s", fused.weights_from)
+    return fused
+
+
+def _projection(linear: torch.nn.Module, name: str) -> tuple[Projection, bool]:
+    """A vLLM linear as a :data:`Projection`: its weight when vLLM left a plain one (True), else
+    the module itself, called (False). Raises ValueError for a linear with a bias."""
+    if getattr(linear, "bias", None) is not None:
+        raise ValueError(f"{name} has a bias")
+    method = type(getattr(linear, "quant_method", None)).__name__
+    weight = getattr(linear, "weight", None)
+    if method == "UnquantizedLinearMethod" and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+            and weight.numel() > 0 and not hasattr(linear, "cpu_linear"):
+        return weight.detach(), True
+    return (lambda x, m=linear: m(x)[0]), False
+
+
+def fused_vllm_layers(model: torch.nn.Module, model_id: str = "vllm", *,
+                      compile: bool = False) -> FusedLlamaLayers:
+    """:class:`FusedLlamaLayers` over a vLLM Llama-family model's parameters (no copy).
+
+    The RoPE table is vLLM's own ``rotary_emb.cos_sin_cache``; the frequencies the engine
+    re-rotates cached K with (:func:`blend.rope.inv_freq_for` of the spec) are checked against
+    it. Raises ValueError where the fused layer would not compute vLLM's layer: another model
+    type, tensor parallelism, biases, another norm or activation, a logit scale or soft cap,
+    RoPE that is partial, not neox, or not the spec's.
+    """
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_VLLM_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not a Llama-family layer")
+    dtype = next(p for p in model.parameters()).dtype
+    spec = spec_from_config(config, model_id, dtype)
+    check_rope_linear(spec)
+    core = model.model
+    layers, plain = [], True
+    for i, layer in enumerate(core.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.num_heads != spec.num_heads or attn.num_kv_heads != spec.num_kv_heads:
+            raise ValueError(f"tensor parallelism: this rank holds {attn.num_heads} of {spec.num_heads} heads")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm).__name__ != "RMSNorm" or getattr(norm, "variance_size_override", None):
+                raise ValueError(f"layer {i}: {type(norm).__name__} is not a plain RMSNorm")
+        if type(mlp.act_fn).__name__ != "SiluAndMul":
+            raise ValueError(f"layer {i}: activation {type(mlp.act_fn).__name__} is not SiLU-and-mul")
+        projections = {}
+        for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
+                             ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+            projections[name], is_plain = _projection(linear, f"layer {i} {name}")
+            plain = plain and is_plain
+        layers.append(LlamaLayerWeights(input_norm=layer.input_layernorm.weight.detach(),
+                                        post_norm=layer.post_attention_layernorm.weight.detach(),
+                                        **projections))
+    processor = getattr(model, "logits_processor", None)
+    if processor is not None and (float(getattr(processor, "scale", 1.0)) != 1.0
+                                  or getattr(processor, "soft_cap", None) is not None):
+        raise ValueError("the logits processor scales or caps the logits")
+    lm_head = getattr(model.lm_head, "weight", None)
+    if type(getattr(model.lm_head, "quant_method", None)).__name__ != "UnquantizedEmbeddingMethod" \
+            or not isinstance(lm_head, torch.Tensor) or lm_head.dim() != 2 or lm_head.numel() == 0:
+        raise ValueError("the LM head is quantized or has no plain weight")
+    cos, sin = _vllm_rope_table(core.layers[0].self_attn.rotary_emb, spec)
+    eps = float(core.layers[0].input_layernorm.variance_epsilon)
+    return FusedLlamaLayers(
+        spec, layers, embed=core.embed_tokens.weight.detach(), final_norm=core.norm.weight.detach(),
+        lm_head=lm_head.detach(), eps=eps, scale=float(core.layers[0].self_attn.scaling),
+        inv_freq=inv_freq_for(spec), rope_cos_sin=(cos, sin), compile=compile,
+        weights_from="vLLM's " + ("weights" if plain else "weights and linear modules (quantized or packed)"))
+
+
+def _vllm_rope_table(rope: torch.nn.Module, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[P, D]`` float32 from vLLM's ``cos_sin_cache`` ``[P, D]`` (cos half, sin
+    half), after checking it is full-width neox RoPE with the spec's frequencies."""
+    head_dim = spec.head_dim
+    if not getattr(rope, "is_neox_style", True) or getattr(rope, "rotary_dim", head_dim) != head_dim:
+        raise ValueError("RoPE is not full-width neox style")
+    cache = rope.cos_sin_cache.detach().float()
+    half = head_dim // 2
+    cos, sin = cache[:, :half], cache[:, half:]
+    pos = torch.tensor([1, 17, 511, cache.shape[0] - 1], dtype=torch.float32, device=cache.device)
+    angles = torch.outer(pos, inv_freq_for(spec).to(cache.device))
+    scaling = float(cos[0, 0])  # cos(0) times the attention scaling vLLM baked in
+    want = torch.cat((angles.cos(), angles.sin()), dim=-1) * scaling
+    got = torch.cat((cos[pos.long()], sin[pos.long()]), dim=-1)
+    if not torch.allclose(got, want, atol=2e-3, rtol=0):
+        raise ValueError("vLLM's RoPE table does not match the spec's frequencies")
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 class VLLMModelAdapter:

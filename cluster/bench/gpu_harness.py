@@ -1,7 +1,9 @@
 """The harness of ``kvblend bench gpu`` (:mod:`cluster.bench.gpu`): model, tiers, plans, timing loops.
 
 :class:`GpuBench` builds a random-weight Llama-shaped model on the device (wrapped by
-:class:`blend.adapters.fused_llama.FusedLlamaAdapter` or :class:`blend.adapters.hf.HFModelAdapter`),
+:class:`blend.adapters.fused_llama.FusedLlamaAdapter`, whose layers are computed by
+:class:`blend.adapters.fused_layers.FusedLlamaLayers` as in a vLLM worker, or by
+:class:`blend.adapters.hf.HFModelAdapter`),
 computes every chunk's canonical KV once into a gpu, a host and a disk tier, and times per
 prompt length: full prefill, HF's forward, and a blend through each tier (lookup +
 :meth:`blend.engine.BlendEngine.blend`), with the host-to-device copy rate and the disk's raw
@@ -100,6 +102,7 @@ class GpuBench:
             from blend.adapters.fused_llama import FusedLlamaAdapter
 
             fast = FusedLlamaAdapter(model, model_id=self.adapter.spec.model_id, compile=use_compile)
+            self.warm_up_s = fast.warm_up()
             self.model_check = _check_model(fast, model, torch, device)
             self.adapter = fast
         self.model_desc = {k: shape[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
@@ -109,6 +112,9 @@ class GpuBench:
             "blend.adapters.fused_llama.FusedLlamaAdapter (fused qkv / gate_up weights of the same "
             f"LlamaForCausalLM, compile={getattr(self.adapter, 'compiled', False)})"
             if args.model_impl == "fast" else "transformers.LlamaForCausalLM + blend.adapters.hf.HFModelAdapter")
+        self.model_desc["compute_class"] = compute_class(self.adapter)
+        if args.model_impl == "fast":
+            self.model_desc["warm_up_s"] = self.warm_up_s
         self.model_desc["check_vs_hf_forward"] = self.model_check
         self.BlendEngine = BlendEngine
         self.ratios = list(args.ratios)
@@ -394,6 +400,14 @@ class GpuBench:
     def close(self) -> None:
         for src in self.sources.values():
             src.close()
+
+
+def compute_class(model) -> str:
+    """Dotted name of the class whose code computes ``model``'s layers (the class defining its
+    ``qkv``): ``blend.adapters.fused_layers.FusedLlamaLayers`` for the fast model here and for
+    what :func:`blend.adapters.vllm.vllm_adapter` builds in a vLLM worker."""
+    owner = next(c for c in type(model).__mro__ if "qkv" in vars(c))
+    return f"{owner.__module__}.{owner.__qualname__}"
 
 
 def _check_model(fast, hf_model, torch, device) -> dict:

@@ -4,8 +4,9 @@ Runs in each vLLM worker, on the thread that runs the model (the only thread tha
 CPU ops are not thread-safe). Each engine step it receives the scheduler half's
 :class:`~cluster.vllm.metadata.KVBlendConnectorMetadata`:
 
-* **Blend loads**: :class:`blend.engine.BlendEngine` over
-  :class:`blend.adapters.vllm.VLLMModelAdapter` and
+* **Blend loads**: :class:`blend.engine.BlendEngine` over the model of
+  :func:`blend.adapters.vllm.vllm_adapter` (the fused Llama layers over vLLM's weights, the
+  code ``kvblend bench gpu`` times; vLLM's modules for other models) and
   :class:`cluster.vllm.worker_source.WorkerKVSource` (the worker's gpu tier of ``gpu_size_gib``
   in front of the cache client); each layer's final KV is written at the request's slots by the
   attention backend's own ``do_kv_cache_update`` (:mod:`cluster.vllm.paged` is the plain-torch
@@ -105,12 +106,17 @@ class KVBlendWorker:
         with the worker's KV source)."""
         with self._engine_lock:
             if self._engine is None:
-                from blend.adapters.vllm import VLLMModelAdapter
+                from blend.adapters.vllm import vllm_adapter
                 from blend.engine import BlendEngine
                 from cluster.vllm.model_hook import current_model
                 from cluster.vllm.worker_source import build_worker_source
 
-                adapter = VLLMModelAdapter(current_model(), model_id=self.model_id)
+                model = current_model()
+                on_cuda = next(model.parameters()).is_cuda
+                adapter = vllm_adapter(model, model_id=self.model_id,
+                                       compile=self.config.blend.compile_layers and on_cuda)
+                if getattr(adapter, "compiled", False):
+                    log.info("compiled the fused layers in %.1f s", adapter.warm_up())
                 self._source = build_worker_source(
                     self.client, adapter.device, adapter.spec.num_layers,
                     gpu_bytes=int(self.config.tiers.gpu_size_gib * 2**30),
@@ -149,6 +155,8 @@ class KVBlendWorker:
             self._kv_caches[int(m.group(1))] = (name, cache)
             if self._layout is None:
                 self._layout = paged.detect_layout(cache, current_platform.is_cpu())
+        if not current_platform.is_cpu() and self.config.blend.compile_layers:
+            self._engine_for_worker()  # compile now, at start-up, not in the first request
 
     # ------------------------------------------------------------------ loads
 

@@ -69,7 +69,7 @@ def test_hf_model_unchanged_and_weights_shared():
     fused = FusedLlamaAdapter(model)
     assert torch.equal(_hf_last_logits(model, ids), before)
     assert sum(p.numel() for p in model.parameters()) == params
-    attn, wqkv = model.model.layers[0].self_attn, fused._layers[0][1]
+    attn, wqkv = model.model.layers[0].self_attn, fused.weights[0].qkv
     assert attn.q_proj.weight.data_ptr() == wqkv.data_ptr()
     assert attn.v_proj.weight.untyped_storage().data_ptr() == wqkv.untyped_storage().data_ptr()
     assert fused.inv_freq.dtype == torch.float32 and fused.inv_freq.shape == (fused.spec.head_dim // 2,)
@@ -146,7 +146,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, caplo
     monkeypatch.setattr(torch, "compile", broken_compile)
     fused = FusedLlamaAdapter(model, compile=True)
     assert fused.compiled
-    with caplog.at_level(logging.WARNING, logger="blend.adapters.fused_llama"):
+    with caplog.at_level(logging.WARNING, logger="blend.adapters.fused_layers"):
         got = BlendEngine(fused).prefill(ids)
         BlendEngine(fused).prefill(ids)
     assert not fused.compiled

@@ -35,6 +35,9 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     assert rc == 0
     out = json.loads(path.read_text())
     assert out["ratios"] == [0.05, 0.15, 0.3] and "build_worker_source" in out["source"]
+    # the class a vLLM worker blends with (blend.adapters.vllm.vllm_adapter) computes the layers
+    assert out["model"]["compute_class"] == "blend.adapters.fused_layers.FusedLlamaLayers"
+    assert out["model"]["warm_up_s"] > 0
     row = out["results"]["300"]
     assert row["repeats"] == 1 and row["full_min_s"] <= row["full_s"] <= row["full_max_s"]
     for ratio, cell in row["by_ratio"].items():

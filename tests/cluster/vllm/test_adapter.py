@@ -72,6 +72,76 @@ def test_layer_by_layer_matches_hf(adapters, tokenizer):
     torch.testing.assert_close(vllm_a.rotate_k(k, frm, to), hf_a.rotate_k(k, frm, to))
 
 
+def test_worker_blends_with_the_fused_layers_the_gpu_bench_times(blend_llm):
+    """One compute path: the worker's model is FusedLlamaLayers (the class ``kvblend bench gpu``
+    records as ``compute_class``) over vLLM's own parameters, not a copy."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from blend.adapters.fused_layers import FusedLlamaLayers
+    from cluster.bench.gpu_harness import compute_class
+    from cluster.vllm.model_hook import current_model
+
+    model = get_kv_transfer_group().connector_worker._engine_for_worker().model  # noqa: SLF001
+    assert isinstance(model, FusedLlamaLayers)
+    assert compute_class(model) == "blend.adapters.fused_layers.FusedLlamaLayers"
+    vllm_model = current_model()
+    assert model._embed.data_ptr() == vllm_model.model.embed_tokens.weight.data_ptr()  # noqa: SLF001
+    norm = vllm_model.model.layers[2].post_attention_layernorm.weight
+    assert model.weights[2].post_norm.data_ptr() == norm.data_ptr()
+    assert not model.compiled  # eager on CPU (compile_layers applies on CUDA)
+
+
+def test_fused_layers_match_vllm_modules_layer_by_layer(adapters, tokenizer):
+    """FusedLlamaLayers over vLLM's parameters (on CPU its projections are vLLM's packed linear
+    modules, called) against VLLMModelAdapter's vLLM modules, seam by seam, same inputs."""
+    from blend.adapters.vllm import fused_vllm_layers
+
+    modules, _ = adapters
+    fused = fused_vllm_layers(modules.model, model_id="smollm2")
+    assert fused.spec == modules.spec and fused.scale == modules.scale
+    assert "linear modules" in fused.weights_from  # vLLM's CPU backend packed the weights away
+    ids = torch.tensor(tokenizer.encode(passage(11)))
+    pos = torch.arange(len(ids)) + 300
+    hidden = modules.embed(ids)
+    torch.testing.assert_close(fused.embed(ids), hidden, rtol=0, atol=0)
+    residual = None
+    for layer in range(modules.spec.num_layers):
+        got = fused.qkv(layer, hidden, residual, pos)
+        q, k, v, residual = modules.qkv(layer, hidden, residual, pos)
+        for a, b in zip(got, (q, k, v, residual), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        out = blocked_row_attention(q, k, v, None, modules.scale)
+        got_h, got_r = fused.finish_layer(layer, out, residual)
+        hidden, residual = modules.finish_layer(layer, out, residual)
+        torch.testing.assert_close(got_h + got_r, hidden + residual, rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(fused.logits(hidden, residual), modules.logits(hidden, residual),
+                               rtol=1e-4, atol=2e-4)
+    k = torch.randn(5, 3, 64)
+    frm, to = torch.arange(5), torch.tensor([9, 40, 7, 100, 3])
+    torch.testing.assert_close(fused.rotate_k(k, frm, to), modules.rotate_k(k, frm, to), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_the_fused_layers_cannot_compute_blends_through_vllm_modules(adapters, monkeypatch):
+    from blend.adapters.vllm import VLLMModelAdapter, fused_vllm_layers, vllm_adapter
+
+    model = adapters[0].model
+    monkeypatch.setattr(model.logits_processor, "scale", 2.0)
+    with pytest.raises(ValueError, match="scales or caps"):
+        fused_vllm_layers(model)
+    assert type(vllm_adapter(model)) is VLLMModelAdapter
+    monkeypatch.undo()
+    from types import SimpleNamespace
+
+    from blend.adapters.vllm import _vllm_rope_table
+
+    rope = model.model.layers[0].self_attn.rotary_emb
+    cos, _ = _vllm_rope_table(rope, adapters[0].spec)  # vLLM's table, the spec's frequencies
+    assert cos.shape == (rope.cos_sin_cache.shape[0], adapters[0].spec.head_dim)
+    other = SimpleNamespace(cos_sin_cache=rope.cos_sin_cache.flip(1), is_neox_style=True, rotary_dim=64)
+    with pytest.raises(ValueError, match="RoPE table"):
+        _vllm_rope_table(other, adapters[0].spec)
+
+
 def test_recompute_set_and_injected_kv_match_hf(adapters, local_client, blend_llm, blend_stats_path,
                                                 tokenizer, smollm2_path):
     """Issue 6 test 2: same recompute set as the HF adapter (ties within 1e-4 relative of the
