@@ -203,11 +203,8 @@ def apply_choice(plan: BlendPlan, choice: CostChoice | None) -> BlendPlan:
     ``full_prefill`` choice sets ``full_prefill_reason``. Unchanged for None."""
     if choice is None or (not choice.recomputed and not choice.full_prefill):
         return plan
-    chosen = set(choice.recomputed)
-    segments = tuple(replace(s, hit=False, recomputed=True) if i in chosen else s
-                     for i, s in enumerate(plan.segments))
-    reason = plan.full_prefill_reason
+    plan = plan.recomputing(choice.recomputed)
     if choice.full_prefill:
-        reason = (f"cost: full prefill {choice.full_s:.3f} s expected, loading "
-                  f"{choice.always_load_s:.3f} s")
-    return replace(plan, segments=segments, full_prefill_reason=reason)
+        plan = replace(plan, full_prefill_reason=(f"cost: full prefill {choice.full_s:.3f} s expected, "
+                                                  f"loading {choice.always_load_s:.3f} s"))
+    return plan

@@ -18,7 +18,7 @@ Bookkeeping only: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiers.keys import ChunkKey
 
@@ -136,3 +136,12 @@ class BlendPlan:
     @property
     def num_reused_tokens(self) -> int:
         return sum(s.num_tokens for s in self.hit_segments)
+
+    def recomputing(self, indices) -> BlendPlan:
+        """This plan with the hit chunks at ``indices`` (into :attr:`segments`) computed
+        instead of loaded (``hit=False, recomputed=True``: still cached, never stored again)."""
+        chosen = set(indices)
+        if not chosen:
+            return self
+        return replace(self, segments=tuple(replace(s, hit=False, recomputed=True) if i in chosen else s
+                                            for i, s in enumerate(self.segments)))

@@ -38,6 +38,8 @@ class BlendCounters:
         transfer_s: seconds from asking the source for the cached layers to the last one's
             arrival (0 when none was asked for or not all arrived); the cost estimates'
             transfer sample (:mod:`cluster.vllm.costs`).
+        unfit_segments: hit chunks the source could not hold at once (a cache agent's arena
+            smaller than the request), computed instead of loaded.
         full_prefill_reason: why the request was computed by full prefill (None when blended).
     """
 
@@ -53,6 +55,7 @@ class BlendCounters:
     load_wait_s: float = 0.0
     compute_s: float = 0.0
     transfer_s: float = 0.0
+    unfit_segments: int = 0
     full_prefill_reason: str | None = None
 
 

@@ -227,15 +227,18 @@ def _cold_row(bench, cfg, name: str, client, keys: list, plan, full: dict, build
     if staged:
         cold.reader.reset_stats()
     fell_back: list[str] = []
+    unfit: list[int] = []
 
     def blend():
         if any(m is None for m in cold.lookup(keys)):
             fell_back.append("lookup missed")
         res = engine.blend(plan, want_logits=True)
+        unfit.append(res.counters.unfit_segments)
         if res.counters.full_prefill_reason is not None:
             fell_back.append(res.counters.full_prefill_reason)
     t, _ = bench._timed(blend, bench.args.repeats, before=lambda: _drop(client, cold))  # noqa: SLF001
     row.update(blend_s=t["median"], blend_min_s=t["min"], blend_max_s=t["max"],
+               blend_unfit_segments=max(unfit, default=0),
                blend_fell_back=fell_back[:3], blend_fell_back_runs=len(fell_back),
                ratio_to_full=t["median"] / full["median"])
     if staged:

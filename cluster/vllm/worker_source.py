@@ -39,6 +39,10 @@ from tiers.gpu import GpuTier
 from tiers.keys import ChunkKey
 from tiers.staging import StagedSource
 
+#: share of a cache agent's arena one request's objects may fill (the rest: their headers,
+#: slot alignment and progress words, and other requests' objects still being read)
+ARENA_SHARE = 0.9
+
 log = logging.getLogger("kvblend.connector")
 
 
@@ -108,6 +112,25 @@ class WorkerKVSource:
     def gpu_hits(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys`` the gpu tier holds now."""
         return sum(self.gpu.contains(list(keys))) if self.gpu is not None and keys else 0
+
+    def fit_request(self, keys: Sequence[ChunkKey], nbytes: Sequence[int]) -> list[bool]:
+        """Which of one request's hit chunks ``keys`` (about ``nbytes`` each, as stored) this
+        source can hold at once. Over a cache agent a request's objects must all sit in its
+        arena together (:mod:`cluster.cache.agent_objects`; one beyond it is a miss in the
+        middle of the blend): chunks in the gpu tier always fit, the others in prompt order
+        while :data:`ARENA_SHARE` of the arena has room. All fit without an arena. Called by
+        :class:`blend.engine.BlendEngine` before it loads anything."""
+        stats = getattr(self.client, "arena_stats", lambda: None)()
+        if not stats or not stats.get("arena_bytes"):
+            return [True] * len(keys)
+        room = int(stats["arena_bytes"] * ARENA_SHARE)
+        held = self.gpu.contains(list(keys)) if self.gpu is not None and keys else [False] * len(keys)
+        fits = []
+        for n, in_gpu in zip(nbytes, held, strict=True):
+            ok = bool(in_gpu) or n <= room
+            room -= 0 if in_gpu or not ok else n
+            fits.append(ok)
+        return fits
 
     def fetch_layers(self, keys: Sequence[ChunkKey], layer_idxs: Sequence[int]) -> list[Future]:
         """Each layer of each chunk, ``[2, T_i, H, D]`` or None (see the protocol): gpu-tier

@@ -207,6 +207,50 @@ def test_unreadable_chunk_falls_back_to_full_prefill(make_setup):
     assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)
 
 
+class _Fitting:
+    """The engine's source with ``fit_request`` (as over a cache agent's arena): ``room``
+    bytes, filled in prompt order; records what it was asked."""
+
+    def __init__(self, client, room: int) -> None:
+        self.client, self.room, self.asked = client, room, []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def fit_request(self, keys, nbytes):
+        self.asked.append((list(keys), list(nbytes)))
+        room, out = self.room, []
+        for n in nbytes:
+            out.append(n <= room)
+            room -= n if n <= room else 0
+        return out
+
+
+def test_hits_the_source_cannot_hold_at_once_are_computed_not_a_fallback(make_setup):
+    """Issue 32 (H100, 32K tokens over a 4 GiB agent arena): hits beyond the source's room
+    were misses mid-blend and the whole request ran again as full prefill (1.2x of it). Now
+    they are computed from the start: the blend equals the plan with those chunks recomputed."""
+    from blend.engine import BlendEngine
+
+    engine, client, chunks = _setup(make_setup, num_chunks=3)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)
+    spec = engine.spec
+    per_chunk = 24 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # float32
+    source = _Fitting(client, room=2 * per_chunk - 1)  # one chunk and a bit
+    res = BlendEngine(engine.model, source).blend(plan)
+    assert source.asked == [([s.key for s in plan.hit_segments], [per_chunk] * 3)]
+    c = res.counters
+    assert c.full_prefill_reason is None and c.unfit_segments == 2 and c.num_hit_segments == 1
+    hits = [i for i, s in enumerate(plan.segments) if s.hit]
+    want = engine.blend(plan.recomputing(hits[1:]))
+    assert torch.equal(res.logits, want.logits)
+    assert all(torch.equal(a, b) for a, b in zip(res.kv, want.kv, strict=True))
+    none = BlendEngine(engine.model, _Fitting(client, room=0)).blend(plan)
+    assert none.counters.full_prefill_reason == "the source holds no hit chunk at once"
+    assert_close(none.logits, engine.prefill(ids).logits, **F32_TOL)
+
+
 def test_a_layer_never_delivered_is_full_prefill_after_load_timeout(make_setup):
     """Issue 20: a cached layer that never arrives (a source whose futures never resolve) costs
     at most ``load_timeout_s`` (``BlendConfig``'s default, 2 s, is the engine's), then the

@@ -138,3 +138,24 @@ def test_read_layers_are_freed_when_dropped_without_the_cyclic_collector():
         assert merged() is None and future() is None and unasked() is None
     finally:
         gc.enable()
+
+
+def test_a_request_fits_an_agents_arena_in_prompt_order_and_gpu_tier_chunks_always_fit():
+    """Over a cache agent a request's objects sit in its arena together: the chunks beyond
+    ARENA_SHARE of it do not fit (the engine computes them); gpu-tier chunks take no arena room;
+    a client without an arena fits everything."""
+    from cluster.vllm.worker_source import ARENA_SHARE
+
+    class _AgentClient(_Client):
+        def arena_stats(self):
+            return {"arena_bytes": 1000, "arena_used_bytes": 900, "arena_peak_bytes": 900}
+
+    chunk = torch.randn(L, 2, T, H, D)
+    src = WorkerKVSource(_AgentClient({}), GpuTier(1 << 20), num_layers=L)
+    src.remember(_key(2), chunk)
+    keys = [_key(i) for i in range(5)]
+    room = int(1000 * ARENA_SHARE)
+    sizes = [room // 2, room // 2, 10_000, 1, room]  # the third is in the gpu tier
+    assert src.fit_request(keys, sizes) == [True, True, True, False, False]
+    assert src.fit_request(keys[:1], [room + 1]) == [False]
+    assert WorkerKVSource(_Client({}), None, num_layers=L).fit_request(keys, sizes) == [True] * 5
