@@ -204,12 +204,13 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys,
             engine.prefill(list(plan.token_ids), want_logits=True)
             bench._sync()  # noqa: SLF001
             return time.perf_counter() - t0, "full", predicted
+    held = source.gpu_held([s.key for s in plan.hit_segments])  # as the worker asks, before its blend
     res = engine.blend(plan, want_logits=True)
     bench._sync()  # noqa: SLF001
     seconds = time.perf_counter() - t0
     if res.counters.full_prefill_reason is not None:
         raise RuntimeError(f"{placement}: the blend fell back: {res.counters.full_prefill_reason}")
-    estimator.add(samples_of(res.counters, plan.blend_end, plan, per_token))
+    estimator.add(samples_of(res.counters, plan.blend_end, plan, per_token, held))
     recomputed = sum(s.recomputed for s in plan.segments)
     return seconds, f"recompute:{recomputed}" if recomputed else "load", predicted
 

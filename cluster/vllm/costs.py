@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from blend.cost import apply_choice, choose
@@ -160,20 +160,27 @@ def kv_bytes_per_token(spec, itemsize: int) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
 
 
-def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: int = 0) -> CostSamples:
+def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: int = 0,
+               local: Collection = ()) -> CostSamples:
     """What one blend or prefill measured (its :class:`blend.result.BlendCounters`), as samples:
     its compute (rows per layer, ``keys`` tokens, load waits excluded) and, for a blend of
     ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token), the
-    seconds to the last layer's arrival and the seconds the engine waited for layers. Called
-    by the vLLM worker after each blend and prefill, and by ``kvblend bench gpu --placement``
-    the same way."""
+    seconds to the last layer's arrival and the seconds the engine waited for layers. Chunks
+    in ``local`` (keys the worker's gpu tier held: no transfer, though the lookup named the
+    tier below) are left out of the bytes; a blend that read only those has no transfer
+    sample. Called by the vLLM worker after each blend and prefill, and by
+    ``kvblend bench gpu --placement`` the same way."""
     out = CostSamples()
     by_tier: dict[str, int] | None = None
     if plan is not None and counters.transfer_s > 0 and counters.full_prefill_reason is None and per_token:
         by_tier = {}
         for seg in plan.hit_segments:
-            by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
-        out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s)))
+            if seg.key not in local:
+                by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
+        if by_tier:
+            out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s)))
+        else:
+            by_tier = None
     rows = counters.recomputed_tokens_per_layer
     if rows and counters.compute_s > 0:
         mean = sum(rows) / len(rows)

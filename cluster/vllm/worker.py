@@ -61,6 +61,8 @@ class _LoadRun:
     #: [a bool tensor on the model's device]: every claimed row of every layer written so far is
     #: finite (checked once, when the blend ends; non-finite: recomputed by full prefill)
     finite: list = field(default_factory=list)
+    #: keys of the plan's hits the worker's gpu tier held when the load began (no transfer)
+    gpu_held: set = field(default_factory=set)
 
 
 class KVBlendWorker:
@@ -132,12 +134,12 @@ class KVBlendWorker:
         self._sample_costs(result.counters, len(ids))
         return torch.stack(result.kv).cpu()  # [L, 2, T, H, D]
 
-    def _sample_costs(self, c, keys: int, plan=None) -> None:
+    def _sample_costs(self, c, keys: int, plan=None, local=()) -> None:
         """What one blend or prefill measured, for the scheduler half's cost estimates
-        (:func:`cluster.vllm.costs.samples_of`)."""
+        (:func:`cluster.vllm.costs.samples_of`; ``local``: keys the gpu tier held)."""
         engine = self._engine
         per_token = kv_bytes_per_token(engine.spec, engine.model.dtype.itemsize) if plan is not None else 0
-        self._cost_samples = self._cost_samples.merge(samples_of(c, keys, plan, per_token))
+        self._cost_samples = self._cost_samples.merge(samples_of(c, keys, plan, per_token, local))
 
     def take_cost_samples(self) -> CostSamples | None:
         """The samples since the last call (None when none), for vLLM's worker metadata."""
@@ -218,7 +220,8 @@ class KVBlendWorker:
                 self._counters.bump(prefix_requests=1)
             else:
                 engine = self._engine_for_worker()
-                record["gpu_hit_segments"] = self._source.gpu_hits([seg.key for seg in spec.plan.hit_segments])
+                run.gpu_held = self._source.gpu_held([seg.key for seg in spec.plan.hit_segments])
+                record["gpu_hit_segments"] = len(run.gpu_held)
                 self._counters.bump(gpu_hit_segments=record["gpu_hit_segments"])
                 run.steps = engine.blend_steps(spec.plan, want_logits=False, on_layer=on_layer)
                 return run
@@ -264,7 +267,7 @@ class KVBlendWorker:
 
     def _blend_done(self, run: _LoadRun, result) -> None:
         c = result.counters
-        self._sample_costs(c, run.spec.plan.blend_end, run.spec.plan)
+        self._sample_costs(c, run.spec.plan.blend_end, run.spec.plan, local=run.gpu_held)
         run.record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
                           reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
                           selected_tokens=c.selected_tokens, selection=c.selection,

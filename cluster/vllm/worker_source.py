@@ -111,7 +111,14 @@ class WorkerKVSource:
 
     def gpu_hits(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys`` the gpu tier holds now."""
-        return sum(self.gpu.contains(list(keys))) if self.gpu is not None and keys else 0
+        return len(self.gpu_held(keys))
+
+    def gpu_held(self, keys: Sequence[ChunkKey]) -> set[ChunkKey]:
+        """Those of ``keys`` the gpu tier holds now: read with no transfer, so a blend's
+        transfer sample leaves them out (:func:`cluster.vllm.costs.samples_of`)."""
+        if self.gpu is None or not keys:
+            return set()
+        return {k for k, held in zip(keys, self.gpu.contains(list(keys)), strict=True) if held}
 
     def fit_request(self, keys: Sequence[ChunkKey], nbytes: Sequence[int]) -> list[bool]:
         """Which of one request's hit chunks ``keys`` (about ``nbytes`` each, as stored) this

@@ -243,3 +243,30 @@ def test_a_tier_faster_than_its_prior_is_priced_at_once():
     mixed = CostEstimator(k_lin=1.0, priors={"host": (0.0, 10e9), "disk": (0.0, 1e9)})
     mixed.add_transfer({"host": 10**9, "disk": 10**9}, 0.11, 0.0)  # both sooner: shares move 30%
     assert 10.0 < mixed.snapshot()["tiers"]["host"]["gbps"] < 20.0
+
+
+def test_chunks_the_gpu_tier_held_are_not_a_transfer_sample():
+    """H100, 4K: chunks the worker's gpu tier served (looked up as ``host``: the scheduler
+    cannot see that tier) made the host tier look 144 GB/s, so host_cold and mixed requests
+    were priced at half their time. Their bytes are left out; all of them: no transfer sample."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from cluster.vllm.costs import samples_of
+    from tiers.keys import ChunkKey
+
+    plan = _plan(["host", "host", "disk"])
+    keyed = iter(range(3))
+    plan = dataclasses.replace(plan, segments=tuple(
+        dataclasses.replace(s, key=ChunkKey("ns", "seg", f"{next(keyed):032x}")) if s.hit else s
+        for s in plan.segments))
+    hits = [s.key for s in plan.hit_segments]
+    c = SimpleNamespace(transfer_s=0.05, load_wait_s=0.01, full_prefill_reason=None, num_hit_segments=3,
+                        recomputed_tokens_per_layer=[300] * LAYERS, compute_s=0.02)
+    every = samples_of(c, plan.blend_end, plan, KV_BYTES)
+    assert every.transfer == [({"host": 1000 * KV_BYTES, "disk": 500 * KV_BYTES}, 0.05, 0.01)]
+    some = samples_of(c, plan.blend_end, plan, KV_BYTES, local={hits[0]})
+    assert some.transfer == [({"host": 500 * KV_BYTES, "disk": 500 * KV_BYTES}, 0.05, 0.01)]
+    assert some.blends[0][0] == {"host": 500 * KV_BYTES, "disk": 500 * KV_BYTES}
+    none = samples_of(c, plan.blend_end, plan, KV_BYTES, local=set(hits))
+    assert none.transfer == [] and none.blends == [] and none.compute == [(300.0, plan.blend_end, 0.02, "blend")]
