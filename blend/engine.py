@@ -345,7 +345,9 @@ class BlendEngine:
         rows overwrite them), or those ``plan.forced_recompute`` names. ``seed``: ``[S]`` rows
         the query probe chose (``query_k_deviation``), kept ahead of any deviation."""
         i = plan.check_layers.index(layer_idx)
-        cand_local = torch.nonzero(rows.is_reused[active]).flatten()  # reused rows computed here
+        every_row = active.shape[0] == rows.is_reused.shape[0]  # active is every prompt row
+        # reused rows computed here (host-known when every row is: no wait for a count)
+        cand_local = rows.reused_rows if every_row else torch.nonzero(rows.is_reused[active]).flatten()
         if rows.forced is not None:
             sel_local = cand_local[rows.forced[active[cand_local]]]
         else:
@@ -356,9 +358,11 @@ class BlendEngine:
             threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
             sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
                                              num_reused=rows.num_reused)
+        counters.selected_tokens = int(sel_local.numel())
+        if every_row:  # the fresh rows and the selected ones, disjoint: a size known on the host
+            return torch.sort(torch.cat((rows.fresh_rows, sel_local))).values  # [A'] into active
         keep = ~rows.is_reused[active]
         keep[sel_local] = True
-        counters.selected_tokens = int(sel_local.numel())
         return torch.nonzero(keep).flatten()  # [A'] into active
 
     def _query_mode(self, plan: BlendPlan, rows: RequestRows, counters: BlendCounters) -> bool:
@@ -399,9 +403,10 @@ class BlendEngine:
         if probed:
             counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
         counters.selected_tokens = int(selected.numel())
-        keep = ~rows.is_reused
-        keep[selected] = True
-        return (positions if union or bool(keep.all()) else torch.nonzero(keep).flatten()), probed, selected
+        if union or selected.numel() == rows.num_reused:  # every row is computed
+            return positions, probed, selected
+        # the fresh rows and the selected reused ones (disjoint): no wait for a count
+        return torch.sort(torch.cat((rows.fresh_rows, selected))).values, probed, selected
 
     def _blend(self, plan: BlendPlan, want_logits: bool, on_layer: OnLayer | None,
                counters: BlendCounters) -> Generator[int, None, BlendResult]:
@@ -412,7 +417,7 @@ class BlendEngine:
         rows = request_rows(plan, want_logits, counters, model.device, self._inv_freq_on)
         check_layers = list(plan.check_layers)
         first_check, last_check = check_layers[0], max(check_layers)
-        ids = torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64, device=model.device)
+        ids = rows.token_ids  # [T] on the device
         positions = torch.arange(num_tokens, device=model.device)
         by_query = self._query_mode(plan, rows, counters)
         seed = None  # query_k_deviation: the rows the probe chose, kept at the check layers
@@ -471,9 +476,7 @@ class BlendEngine:
                     on_layer(layer_idx, kv)
                 yield layer_idx
             logits = None
-            if want_logits:
-                if int(active[-1]) != num_tokens - 1:
-                    raise RuntimeError("the last prompt row was not computed")
+            if want_logits:  # the last row is never reused (request_rows), so always computed
                 logits = model.logits(hidden[-1:], residual[-1:])[0]
         finally:
             for fut in pending.values():

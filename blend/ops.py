@@ -68,11 +68,14 @@ def deviation_of(score: str, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
     cached rows ``kv[:, cached_idx]`` of a layer buffer ``[2, T, H, D]`` (``score``: ``k``,
     ``v`` or ``kv``, their sum), summed over KV heads (:func:`deviation_scores`; the engine
     sums it over tensor-parallel ranks)."""
+    def one(fresh, cached):  # the engine's own rows: in range by construction (no host wait)
+        return deviation_scores(fresh, cached, fresh_idx, cached_idx, check_range=False)
+
     if score == "k":
-        return deviation_scores(k, kv[0], fresh_idx, cached_idx)
+        return one(k, kv[0])
     if score == "v":
-        return deviation_scores(v, kv[1], fresh_idx, cached_idx)
-    return deviation_scores(k, kv[0], fresh_idx, cached_idx) + deviation_scores(v, kv[1], fresh_idx, cached_idx)
+        return one(v, kv[1])
+    return one(k, kv[0]) + one(v, kv[1])
 
 
 def select_top_ratio(scores: torch.Tensor, ratio: float, threshold: float | None = None,

@@ -39,6 +39,7 @@ from collections.abc import Callable, Generator
 import torch
 
 from blend.plan import CHUNK
+from blend.rows import to_device
 from blend.selection import num_to_select
 
 #: Query rows per block when summing attention weights (at most).
@@ -119,8 +120,8 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     return mass
 
 
-def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_rows: torch.Tensor,
-                         ratio: float, num_reused: int) -> torch.Tensor:
+def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_rows: torch.Tensor | None,
+                         ratio: float, num_reused: int, *, sink_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The reused rows to recompute: sinks first, then the highest query mass, within the budget.
 
     Args:
@@ -128,6 +129,8 @@ def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_row
             summed over the probe layers).
         reused_rows: ``[R]`` int64 rows whose KV may stay cached, ascending.
         sink_rows: int64 rows among them that are a hit chunk's first ``sink_tokens``.
+        sink_mask: instead of ``sink_rows``, ``[R]`` bool on ``reused_rows``' device: which of
+            them are sinks (built on the host: no device search, no wait).
         ratio: recompute ratio in ``[0, 1]``.
         num_reused: the count the ratio applies to (``R``).
 
@@ -142,8 +145,10 @@ def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_row
     if budget == 0:
         return torch.zeros(0, dtype=torch.int64, device=reused_rows.device)
     scores = mass[reused_rows].to(torch.float32)
-    if sink_rows.numel():
+    is_sink = sink_mask
+    if is_sink is None and sink_rows is not None and sink_rows.numel():
         is_sink = torch.isin(reused_rows, sink_rows.to(reused_rows.device))
+    if is_sink is not None:
         # Sinks outrank every other row; among themselves they keep their mass order.
         scores = torch.where(is_sink, scores + (scores.abs().max() + 1.0) * 2.0, scores)
     top = torch.topk(scores, budget, sorted=False).indices
@@ -176,7 +181,9 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
     Args:
         model: the :class:`~blend.protocols.BlendModel`.
         token_ids: ``[T]`` int64 the whole prompt, query included.
-        is_reused: ``[T]`` bool rows whose KV stays cached in the probe (the hit rows).
+        is_reused: ``[T]`` bool rows whose KV stays cached in the probe (the hit rows), best
+            on the CPU: the probe's index sets are built there and copied once (a device
+            tensor is brought to the host first, a wait).
         num_query_rows: the query rows are the last ``num_query_rows`` of the prompt (never
             reused).
         probe_layers: ascending layer indices whose attention is summed.
@@ -184,7 +191,8 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
             with the hit rows filled (raises to abandon the blend).
         scale: softmax scale.
         reduce: sums a ``[T]`` tensor over tensor-parallel ranks (each holds its own heads).
-        skip: ``[T]`` bool rows to leave out (never reused rows nor query rows), or None.
+        skip: ``[T]`` bool rows to leave out (never reused rows nor query rows), or None; best
+            on the CPU, as ``is_reused``.
         Each weight is multiplied by the norm of the value it reads (:func:`query_attention_mass`).
 
     Returns:
@@ -193,28 +201,32 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
     """
     from blend.ops import causal_attention
 
-    num_tokens = token_ids.shape[0]
-    positions = torch.arange(num_tokens, device=token_ids.device)
+    num_tokens, device = token_ids.shape[0], token_ids.device
+    is_reused = is_reused.cpu()  # index sets come from the plan: built on the host, one copy
     kept = None  # [T'] prompt rows the probe keeps (None: all), ascending
-    if skip is not None and bool(skip.any()):
-        kept = torch.nonzero(~skip[:num_tokens]).flatten()
+    if skip is not None and bool(skip[:num_tokens].cpu().any()):
+        kept = torch.nonzero(~skip[:num_tokens].cpu()).flatten()
     # probe coordinates: index i is prompt row kept[i] (or i); causal order is kept
     probe_reused = is_reused if kept is None else is_reused[kept]
-    probe_pos = positions if kept is None else kept
     active = torch.nonzero(~probe_reused).flatten()  # [A] ascending; the query rows are its tail
+    host = {"active": active, "rows": active if kept is None else kept[active]}  # rows: prompt rows
+    if kept is not None:
+        host["kept"] = kept
+    dev = to_device(host, device)
+    active, active_rows, kept = dev["active"], dev["rows"], dev.get("kept")
     query = slice(active.numel() - num_query_rows, active.numel())
-    hidden, residual = model.embed(token_ids[probe_pos[active]]), None
+    hidden, residual = model.embed(token_ids[active_rows]), None
     mass = torch.zeros(num_tokens, dtype=torch.float32, device=token_ids.device)
     buffers: dict[int, torch.Tensor] = {}
     last = probe_layers[-1]
     for layer_idx in range(last + 1):
         full = cached_layer(layer_idx, num_tokens)
         kv = full if kept is None else full[:, kept]  # [2, T', H, D]
-        q, k, v, residual = model.qkv(layer_idx, hidden, residual, probe_pos[active])
+        q, k, v, residual = model.qkv(layer_idx, hidden, residual, active_rows)
         kv[0, active] = k
         kv[1, active] = v
         if kept is not None:  # the fresh rows into the buffer the blend reuses
-            full[:, kept[active]] = kv[:, active]
+            full[:, active_rows] = kv[:, active]
         buffers[layer_idx] = full
         if layer_idx in probe_layers:
             layer_mass = query_attention_mass(q[query], active[query], kv[0], scale, kv[1])
@@ -247,21 +259,23 @@ def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tens
     """
     device, num_tokens = rows.is_reused.device, plan.blend_end
     ratio = plan.recompute_ratios[0]
-    reused_rows = torch.nonzero(rows.is_reused).flatten()  # [R]
+    reused_rows = rows.reused_rows  # [R]
     budget = num_to_select(rows.num_reused, ratio)
     if budget == 0 or budget >= reused_rows.numel():
         return reused_rows[:budget], {}
     start, end = plan.query_rows
-    is_reused = torch.zeros(end, dtype=torch.bool, device=device)
-    is_reused[:num_tokens] = rows.is_reused
-    all_ids = torch.tensor(plan.token_ids[:end], dtype=torch.int64, device=device)
-    layers = probe_layers_for(plan.probe_layers, model.spec.num_layers)
-    missed = torch.zeros(end, dtype=torch.bool, device=device)
+    # host side: which rows are reused, missed, sinks (from the plan); then one copy
+    is_reused = torch.zeros(end, dtype=torch.bool)
+    is_reused[:num_tokens] = rows.is_reused_host
+    missed = torch.zeros(end, dtype=torch.bool)
     for seg in plan.segments:
         if seg.kind == CHUNK and not seg.hit and seg.start < num_tokens:
             missed[seg.start:min(seg.end, num_tokens)] = True
     missed &= ~is_reused
-    mass, probed = yield from probe_query_mass(model, all_ids, is_reused, end - start, layers, cached_layer,
+    sinks = sink_rows_of(rows.hits, plan.sink_tokens, num_tokens)
+    dev = to_device({"ids": torch.tensor(plan.token_ids[:end], dtype=torch.int64),
+                     "is_sink": torch.isin(torch.nonzero(rows.is_reused_host).flatten(), sinks)}, device)
+    layers = probe_layers_for(plan.probe_layers, model.spec.num_layers)
+    mass, probed = yield from probe_query_mass(model, dev["ids"], is_reused, end - start, layers, cached_layer,
                                                scale, reduce, skip=missed)
-    sinks = sink_rows_of(rows.hits, plan.sink_tokens, num_tokens).to(device)
-    return select_by_query_mass(mass, reused_rows, sinks, ratio, rows.num_reused), probed
+    return select_by_query_mass(mass, reused_rows, None, ratio, rows.num_reused, sink_mask=dev["is_sink"]), probed

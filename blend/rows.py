@@ -42,6 +42,13 @@ class RequestRows:
         num_reused: ``is_reused.sum()``, the count the recompute ratio applies to.
         forced: ``[T]`` bool rows named by ``plan.forced_recompute`` (None: select by score).
         inv_freq: ``[D/2]`` float32 RoPE frequencies for re-rotation (None without hits).
+        token_ids: ``[T]`` int64 the prompt's ids up to ``blend_end``.
+        reused_rows: ``[R]`` int64 the rows of ``is_reused``, ascending.
+        fresh_rows: ``[T - R]`` int64 the other rows (always computed), ascending.
+        is_reused_host: ``is_reused`` on the CPU (index sets derived from it stay host-side).
+
+    Every tensor derived from the plan is built on the host and reaches the device in one
+    copy (:func:`to_device`): the blend never waits for the device to learn a row count.
     """
 
     hits: list[Segment]
@@ -52,13 +59,38 @@ class RequestRows:
     num_reused: int
     forced: torch.Tensor | None
     inv_freq: torch.Tensor | None
+    token_ids: torch.Tensor
+    reused_rows: torch.Tensor
+    fresh_rows: torch.Tensor
+    is_reused_host: torch.Tensor
+
+
+def to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Integer and bool CPU tensors onto ``device`` in one copy: on CUDA they are packed into
+    one pinned int64 buffer and copied ``non_blocking`` (a copy from pageable memory, or one
+    copy per tensor, makes the host wait; issue 33's profile counted 3-5 per request), then
+    split into views and cast back. Elsewhere each is moved as is."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in host.items()}
+    flat = [v.reshape(-1).to(torch.int64) for v in host.values()]
+    total = sum(f.numel() for f in flat)
+    buf = torch.empty(max(1, total), dtype=torch.int64, pin_memory=True)
+    if flat:
+        torch.cat(flat, out=buf[:total])
+    on_device = buf.to(device, non_blocking=True)
+    out, start = {}, 0
+    for (k, v), f in zip(host.items(), flat, strict=True):
+        part = on_device[start:start + f.numel()].view(v.shape)
+        out[k] = part if v.dtype == torch.int64 else part.to(v.dtype)
+        start += f.numel()
+    return out
 
 
 
 def request_rows(plan: BlendPlan, want_logits: bool, counters: BlendCounters, device: torch.device,
                  inv_freq: Callable[[torch.device], torch.Tensor]) -> RequestRows:
     """Which rows of ``[0, plan.blend_end)`` are hit, reused and forced, built once on the host
-    and moved to ``device`` once; fills the counters' hit/reused/computed numbers.
+    and moved to ``device`` in one copy; fills the counters' hit/reused/computed numbers.
     ``inv_freq(device)`` gives the RoPE frequencies (asked only when there are hits).
 
     Raises:
@@ -79,13 +111,17 @@ def request_rows(plan: BlendPlan, want_logits: bool, counters: BlendCounters, de
     counters.num_hit_segments = len(hits)
     counters.reused_tokens = num_reused
     counters.computed_tokens = num_tokens - num_reused
-    forced = None
+    host = {"hit_rows": hit_rows, "stored_pos": stored_pos, "is_reused": is_reused,
+            "token_ids": torch.tensor(plan.token_ids[:num_tokens], dtype=torch.int64),
+            "reused_rows": torch.nonzero(is_reused).flatten(), "fresh_rows": torch.nonzero(~is_reused).flatten()}
     if plan.forced_recompute is not None:
         forced = torch.zeros(num_tokens, dtype=torch.bool)
         forced[torch.tensor([i for i in plan.forced_recompute if 0 <= i < num_tokens], dtype=torch.int64)] = True
-        forced = forced.to(device)
-    return RequestRows(hits, [s.key for s in hits], hit_rows.to(device), stored_pos.to(device),
-                       is_reused.to(device), num_reused, forced, inv_freq(device) if hits else None)
+        host["forced"] = forced
+    dev = to_device(host, device)
+    return RequestRows(hits, [s.key for s in hits], dev["hit_rows"], dev["stored_pos"], dev["is_reused"],
+                       num_reused, dev.get("forced"), inv_freq(device) if hits else None,
+                       dev["token_ids"], dev["reused_rows"], dev["fresh_rows"], is_reused)
 
 
 def check_layer_batch(rows: RequestRows, got, spec: ModelSpec, layer_idx: int) -> str | None:

@@ -120,7 +120,7 @@ def deviation_triton(fresh: torch.Tensor, cached: torch.Tensor,
 
 def deviation_scores(fresh: torch.Tensor, cached: torch.Tensor,
                      fresh_idx: torch.Tensor | None = None,
-                     cached_idx: torch.Tensor | None = None) -> torch.Tensor:
+                     cached_idx: torch.Tensor | None = None, *, check_range: bool = True) -> torch.Tensor:
     """Squared L2 deviation of fresh from cached K (or V) per candidate row, summed over KV heads.
 
     Args:
@@ -128,6 +128,8 @@ def deviation_scores(fresh: torch.Tensor, cached: torch.Tensor,
         cached: cached K re-rotated to the same positions, or cached V (e.g. all prompt rows).
         fresh_idx: rows of ``fresh`` to score (None: all, in order).
         cached_idx: matching rows of ``cached`` (None: all, in order).
+        check_range: check the indices' bounds on CUDA (two host waits per index); False
+            where the caller built them in range (the blend engine's rows).
 
     Shapes:
         fresh: ``[A, H, D]``; cached: ``[T, H, D]``; fresh_idx, cached_idx: ``[R]`` int.
@@ -140,5 +142,6 @@ def deviation_scores(fresh: torch.Tensor, cached: torch.Tensor,
         return deviation_triton(fresh.contiguous() if fresh.stride(-1) != 1 else fresh,
                                 cached.contiguous() if cached.stride(-1) != 1 else cached,
                                 None if fresh_idx is None else fresh_idx.to(fresh.device),
-                                None if cached_idx is None else cached_idx.to(fresh.device))
+                                None if cached_idx is None else cached_idx.to(fresh.device),
+                                check_range=check_range)
     return deviation_reference(fresh, cached, fresh_idx, cached_idx)
