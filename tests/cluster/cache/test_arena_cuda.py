@@ -40,11 +40,17 @@ class _ArenaLink:
         if message["op"] == "lookup":
             hits = tuple(LookupHit("host", self.objects[k], "shard-0") for k in message["keys"])
             fut.set_result(LookupAnswer(hits).to_wire())
-        else:
-            sizes = tuple(self.writer.write(off, cap, self.objects[k])
-                          for k, (off, cap) in zip(message["keys"], message["slots"], strict=True))
+        else:  # as the agent does: headers now, the rest in rounds told by the progress word
+            items = [(off, cap, self.objects[k]) for k, (off, cap) in zip(message["keys"], message["slots"],
+                                                                           strict=True)]
+            progress = message.get("progress", -1)
+            sizes = tuple(self.writer.write_progressively(items, progress) if progress >= 0
+                          else self.writer.write_many(items))
             fut.set_result(SlotsAnswer(("host",) * len(sizes), sizes).to_wire())
         return fut
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def test_arena_objects_reach_the_gpu_unstaged_bit_exact_and_their_slots_come_back(monkeypatch):
