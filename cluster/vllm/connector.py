@@ -37,7 +37,8 @@ Prompts without separators take the prefix path: chunks of ``chunk_size`` tokens
 ``build_connector_meta`` sends each request's plan and slot mapping to the worker.
 
 Worker side (``start_load_kv``):
-:class:`blend.engine.BlendEngine` runs over :class:`blend.adapters.vllm.VLLMModelAdapter`
+:class:`blend.engine.BlendEngine` runs over :func:`blend.adapters.vllm.vllm_adapter`'s model (the fused
+Llama layers over vLLM's weights; vLLM's modules for other models)
 and :class:`cluster.vllm.worker_source.WorkerKVSource` (the worker's gpu tier of ``gpu_size_gib``
 in front of the cache client; the load event's ``gpu_hit_segments`` counts its hits), and each
 layer's final KV is written at the request's slots by the attention backend's own
