@@ -233,6 +233,7 @@ class BlendEngine:
         if not unfit:
             return plan
         counters.unfit_segments = len(unfit)
+        counters.unfit_keys = tuple(plan.segments[i].key for i in unfit)
         log.info("the source holds %d of %d hit chunks at once; the rest are computed",
                  len(hits) - len(unfit), len(hits))
         plan = plan.recomputing(unfit)

@@ -39,7 +39,8 @@ class BlendCounters:
             arrival (0 when none was asked for or not all arrived); the cost estimates'
             transfer sample (:mod:`cluster.vllm.costs`).
         unfit_segments: hit chunks the source could not hold at once (a cache agent's arena
-            smaller than the request), computed instead of loaded.
+            smaller than the request), computed instead of loaded; unfit_keys: their keys (no
+            transfer: left out of the cost estimates' transfer sample).
         full_prefill_reason: why the request was computed by full prefill (None when blended).
     """
 
@@ -56,6 +57,7 @@ class BlendCounters:
     compute_s: float = 0.0
     transfer_s: float = 0.0
     unfit_segments: int = 0
+    unfit_keys: tuple = ()
     full_prefill_reason: str | None = None
 
 

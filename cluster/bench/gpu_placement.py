@@ -210,7 +210,7 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys,
     seconds = time.perf_counter() - t0
     if res.counters.full_prefill_reason is not None:
         raise RuntimeError(f"{placement}: the blend fell back: {res.counters.full_prefill_reason}")
-    estimator.add(samples_of(res.counters, plan.blend_end, plan, per_token, held))
+    estimator.add(samples_of(res.counters, plan.blend_end, plan, per_token, held | set(res.counters.unfit_keys)))
     recomputed = sum(s.recomputed for s in plan.segments)
     return seconds, f"recompute:{recomputed}" if recomputed else "load", predicted
 

@@ -166,8 +166,9 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     its compute (rows per layer, ``keys`` tokens, load waits excluded) and, for a blend of
     ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token), the
     seconds to the last layer's arrival and the seconds the engine waited for layers. Chunks
-    in ``local`` (keys the worker's gpu tier held: no transfer, though the lookup named the
-    tier below) are left out of the bytes; a blend that read only those has no transfer
+    in ``local`` (keys the worker's gpu tier held, though the lookup named the tier below, and
+    keys the engine computed because the source could not hold them: no transfer) are left
+    out of the bytes; a blend that read only those has no transfer
     sample. Called by the vLLM worker after each blend and prefill, and by
     ``kvblend bench gpu --placement`` the same way."""
     out = CostSamples()

@@ -267,7 +267,7 @@ class KVBlendWorker:
 
     def _blend_done(self, run: _LoadRun, result) -> None:
         c = result.counters
-        self._sample_costs(c, run.spec.plan.blend_end, run.spec.plan, local=run.gpu_held)
+        self._sample_costs(c, run.spec.plan.blend_end, run.spec.plan, local=run.gpu_held | set(c.unfit_keys))
         run.record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
                           reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
                           selected_tokens=c.selected_tokens, selection=c.selection,

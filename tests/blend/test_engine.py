@@ -242,6 +242,7 @@ def test_hits_the_source_cannot_hold_at_once_are_computed_not_a_fallback(make_se
     assert source.asked == [([s.key for s in plan.hit_segments], [per_chunk] * 3)]
     c = res.counters
     assert c.full_prefill_reason is None and c.unfit_segments == 2 and c.num_hit_segments == 1
+    assert c.unfit_keys == tuple(s.key for s in plan.hit_segments[1:])  # left out of transfer samples
     hits = [i for i, s in enumerate(plan.segments) if s.hit]
     want = engine.blend(plan.recomputing(hits[1:]))
     assert torch.equal(res.logits, want.logits)
