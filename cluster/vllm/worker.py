@@ -157,8 +157,12 @@ class KVBlendWorker:
             self._kv_caches[int(m.group(1))] = (name, cache)
             if self._layout is None:
                 self._layout = paged.detect_layout(cache, current_platform.is_cpu())
-        if not current_platform.is_cpu() and self.config.blend.compile_layers:
-            self._engine_for_worker()  # compile now, at start-up, not in the first request
+        if not current_platform.is_cpu() and self.config.blend.compile_layers and self.client is not None:
+            try:  # compile now, at start-up, not in the first request
+                self._engine_for_worker()
+            except Exception as e:  # noqa: BLE001 - never fail vLLM's start for the cache's sake
+                log.warning("building the blend engine at start-up failed (%s: %s); the first blend "
+                            "builds it", type(e).__name__, e)
 
     # ------------------------------------------------------------------ loads
 
