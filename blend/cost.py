@@ -118,6 +118,12 @@ class CostChoice:
     tiers: tuple[tuple[int, str, int, str], ...]
 
 
+def kv_bytes_per_token(spec, itemsize: int) -> int:
+    """Bytes of one token's KV in every layer (K and V) of a model of ``spec``
+    (:class:`blend.protocols.ModelSpec`) stored at ``itemsize`` bytes per element."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+
+
 def blend_seconds(compute_s: float, transfer_s: float, num_layers: int, overlap: float = 1.0) -> float:
     """The layer pipeline's time: the longer of compute and transfer, plus the share of the
     shorter one that does not overlap it (``1 - overlap``) and, of the share that does, its

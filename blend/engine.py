@@ -57,6 +57,7 @@ import torch
 from blend import ops
 from blend import query_selection as qs
 from blend.config import DEFAULT_LOAD_TIMEOUT_S
+from blend.cost import kv_bytes_per_token
 from blend.ops import causal_attention
 from blend.plan import CHUNK, BlendPlan
 from blend.protocols import BlendModel, KVSource
@@ -226,8 +227,7 @@ class BlendEngine:
                 if s.kind == CHUNK and s.hit and s.end <= plan.blend_end]
         if fit is None or not hits:
             return plan
-        per_token = 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim * \
-            torch.finfo(self.model.dtype).bits // 8
+        per_token = kv_bytes_per_token(self.spec, torch.finfo(self.model.dtype).bits // 8)
         fits = fit([s.key for _, s in hits], [s.num_tokens * per_token for _, s in hits])
         unfit = [i for (i, _), ok in zip(hits, fits, strict=True) if not ok]
         if not unfit:

@@ -203,9 +203,10 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
 
     num_tokens, device = token_ids.shape[0], token_ids.device
     is_reused = is_reused.cpu()  # index sets come from the plan: built on the host, one copy
+    skip = None if skip is None else skip[:num_tokens].cpu()
     kept = None  # [T'] prompt rows the probe keeps (None: all), ascending
-    if skip is not None and bool(skip[:num_tokens].cpu().any()):
-        kept = torch.nonzero(~skip[:num_tokens].cpu()).flatten()
+    if skip is not None and bool(skip.any()):
+        kept = torch.nonzero(~skip).flatten()
     # probe coordinates: index i is prompt row kept[i] (or i); causal order is kept
     probe_reused = is_reused if kept is None else is_reused[kept]
     active = torch.nonzero(~probe_reused).flatten()  # [A] ascending; the query rows are its tail

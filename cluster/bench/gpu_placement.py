@@ -130,8 +130,9 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
     is stopped keeps it)."""
     import torch
 
+    from blend.cost import kv_bytes_per_token
     from cluster.bench.gpu_harness import GpuBench
-    from cluster.vllm.costs import CostEstimator, kv_bytes_per_token, linear_keys, samples_of
+    from cluster.vllm.costs import CostEstimator, linear_keys, samples_of
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bench = GpuBench(args, device, [max(lengths)])
@@ -210,7 +211,7 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys,
     seconds = time.perf_counter() - t0
     if res.counters.full_prefill_reason is not None:
         raise RuntimeError(f"{placement}: the blend fell back: {res.counters.full_prefill_reason}")
-    estimator.add(samples_of(res.counters, plan.blend_end, plan, per_token, held | set(res.counters.unfit_keys)))
+    estimator.add(samples_of(res.counters, plan.blend_end, plan, per_token, held))
     recomputed = sum(s.recomputed for s in plan.segments)
     return seconds, f"recompute:{recomputed}" if recomputed else "load", predicted
 

@@ -154,12 +154,6 @@ class CostSamples:
         return bool(self.compute or self.transfer or self.blends)
 
 
-def kv_bytes_per_token(spec, itemsize: int) -> int:
-    """Bytes of one token's KV in every layer (K and V) of a model of ``spec``
-    (:class:`blend.protocols.ModelSpec`) stored at ``itemsize`` bytes per element."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
-
-
 def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: int = 0,
                local: Collection = ()) -> CostSamples:
     """What one blend or prefill measured (its :class:`blend.result.BlendCounters`), as samples:
@@ -167,14 +161,15 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token), the
     seconds to the last layer's arrival and the seconds the engine waited for layers. Chunks
     in ``local`` (keys the worker's gpu tier held, though the lookup named the tier below, and
-    keys the engine computed because the source could not hold them: no transfer) are left
-    out of the bytes; a blend that read only those has no transfer
+    the counters' ``unfit_keys``, computed because the source could not hold them: no transfer)
+    are left out of the bytes; a blend that read only those has no transfer
     sample. Called by the vLLM worker after each blend and prefill, and by
     ``kvblend bench gpu --placement`` the same way."""
     out = CostSamples()
     by_tier: dict[str, int] | None = None
     if plan is not None and counters.transfer_s > 0 and counters.full_prefill_reason is None and per_token:
         by_tier = {}
+        local = set(local) | set(getattr(counters, "unfit_keys", ()))  # computed: not transferred
         for seg in plan.hit_segments:
             if seg.key not in local:
                 by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token

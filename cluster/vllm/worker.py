@@ -34,11 +34,12 @@ from typing import Any
 
 import torch
 
+from blend.cost import kv_bytes_per_token
 from blend.engine import QUERY_SELECTIONS
 from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
-from cluster.vllm.costs import CostSamples, kv_bytes_per_token, samples_of
+from cluster.vllm.costs import CostSamples, samples_of
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
@@ -271,7 +272,7 @@ class KVBlendWorker:
 
     def _blend_done(self, run: _LoadRun, result) -> None:
         c = result.counters
-        self._sample_costs(c, run.spec.plan.blend_end, run.spec.plan, local=run.gpu_held | set(c.unfit_keys))
+        self._sample_costs(c, run.spec.plan.blend_end, run.spec.plan, local=run.gpu_held)
         run.record.update(path="blend", num_segments=c.num_segments, num_hit_segments=c.num_hit_segments,
                           reused_tokens=c.reused_tokens, computed_tokens=c.computed_tokens,
                           selected_tokens=c.selected_tokens, selection=c.selection,
