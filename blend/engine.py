@@ -66,6 +66,7 @@ from blend.rope import check_blendable, inv_freq_for
 from blend.rows import (
     RequestRows,
     check_layer_batch,
+    fit_to_source,
     layer_result,
     place_cached,
     request_rows,
@@ -197,7 +198,8 @@ class BlendEngine:
                 raise ValueError(f"check_layers {bad} outside the model's {self.spec.num_layers} layers")
             if plan.selection in QUERY_SELECTIONS:
                 qs.probe_layers_for(plan.probe_layers, self.spec.num_layers)  # raises when outside
-            plan = self._fit_to_source(plan, counters)
+            plan = fit_to_source(plan, self.source, kv_bytes_per_token(self.spec, torch.finfo(self.model.dtype).bits // 8),
+                                 counters)
             reason = plan.full_prefill_reason
         if reason is None:
             try:
@@ -217,29 +219,6 @@ class BlendEngine:
         return result
 
     # ----------------------------------------------------------------- helpers
-
-    def _fit_to_source(self, plan: BlendPlan, counters: BlendCounters) -> BlendPlan:
-        """``plan`` with the hit chunks the source cannot hold at once computed instead
-        (``source.fit_request``, where the source has one: a request's objects in a cache
-        agent's arena): a miss known before loading, never a mid-request fallback."""
-        fit = getattr(self.source, "fit_request", None)
-        hits = [(i, s) for i, s in enumerate(plan.segments)
-                if s.kind == CHUNK and s.hit and s.end <= plan.blend_end]
-        if fit is None or not hits:
-            return plan
-        per_token = kv_bytes_per_token(self.spec, torch.finfo(self.model.dtype).bits // 8)
-        fits = fit([s.key for _, s in hits], [s.num_tokens * per_token for _, s in hits])
-        unfit = [i for (i, _), ok in zip(hits, fits, strict=True) if not ok]
-        if not unfit:
-            return plan
-        counters.unfit_segments = len(unfit)
-        counters.unfit_keys = tuple(plan.segments[i].key for i in unfit)
-        log.info("the source holds %d of %d hit chunks at once; the rest are computed",
-                 len(hits) - len(unfit), len(hits))
-        plan = plan.recomputing(unfit)
-        if not plan.hit_segments:
-            plan = dataclasses.replace(plan, full_prefill_reason="the source holds no hit chunk at once")
-        return plan
 
     def _device_done(self) -> None:
         """The end of a request's timed work: :func:`blend.steps.wait_for_device` on the model's."""

@@ -12,6 +12,7 @@ Axis letters as in :mod:`blend.engine`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blend import ops
-from blend.plan import BlendPlan, Segment
+from blend.plan import CHUNK, BlendPlan, Segment
 from blend.protocols import KVSource, ModelSpec
 from blend.result import BlendCounters
 from tiers.keys import ChunkKey
@@ -122,6 +123,30 @@ def request_rows(plan: BlendPlan, want_logits: bool, counters: BlendCounters, de
     return RequestRows(hits, [s.key for s in hits], dev["hit_rows"], dev["stored_pos"], dev["is_reused"],
                        num_reused, dev.get("forced"), inv_freq(device) if hits else None,
                        dev["token_ids"], dev["reused_rows"], dev["fresh_rows"], is_reused)
+
+
+def fit_to_source(plan: BlendPlan, source, per_token: int, counters: BlendCounters) -> BlendPlan:
+    """``plan`` with the hit chunks ``source`` cannot hold at once computed instead
+    (``source.fit_request``, where the source has one: a request's objects in a cache agent's
+    arena): a miss known before loading, never a mid-request fallback. ``per_token``: bytes of
+    a token's KV in every layer. Fills ``counters.unfit_segments`` and ``unfit_keys``; with no
+    hit left the plan is full prefill. Called by the engine before a blend starts."""
+    fit = getattr(source, "fit_request", None)
+    hits = [(i, s) for i, s in enumerate(plan.segments) if s.kind == CHUNK and s.hit and s.end <= plan.blend_end]
+    if fit is None or not hits:
+        return plan
+    fits = fit([s.key for _, s in hits], [s.num_tokens * per_token for _, s in hits])
+    unfit = [i for (i, _), ok in zip(hits, fits, strict=True) if not ok]
+    if not unfit:
+        return plan
+    counters.unfit_segments = len(unfit)
+    counters.unfit_keys = tuple(plan.segments[i].key for i in unfit)
+    log.info("the source holds %d of %d hit chunks at once; the rest are computed",
+             len(hits) - len(unfit), len(hits))
+    plan = plan.recomputing(unfit)
+    if not plan.hit_segments:
+        plan = dataclasses.replace(plan, full_prefill_reason="the source holds no hit chunk at once")
+    return plan
 
 
 def check_layer_batch(rows: RequestRows, got, spec: ModelSpec, layer_idx: int) -> str | None:
