@@ -367,10 +367,11 @@ def ray_free_client(monkeypatch, cfg, router=None):
 
 def stop_shard(s) -> None:
     """Shut down the pools of a :func:`ray_free_shard` and release its disk lock."""
-    for name in ("_pool", "_write_pool"):
-        pool = getattr(s, name, None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+    pool = getattr(s, "_pool", None)
+    if pool is not None:
+        pool.shutdown(wait=True)
+    if getattr(s, "writes", None) is not None:  # the write-downs' pool
+        s.writes.close()
     if getattr(s, "_lower_lookup", None) is not None:  # the lookups' header-read pool
         s._lower_lookup.close()
     if getattr(s, "_disk_lock", None) is not None:  # its disk directory's flock

@@ -23,11 +23,11 @@ finds the encoding it always wrote (readers slice each object with its own heade
 encodings may differ between tiers). ``put`` writes the host tier at once and the lower tiers
 in the background (write-through: the disk so a restart loses nothing, Redis/S3 so other
 shards and clients with a dead owner still find it); ``drain`` waits for those writes. The
-background writes are bounded (:data:`MAX_PENDING_WRITES`, :data:`MAX_PENDING_WRITE_BYTES`,
-from queued until in every lower tier): past the bound a put's write-down is dropped, counted
-``writes_dropped`` (metric ``kvblend_writes_dropped``; one warning per shard) and the chunk
-stays in host memory only, so a slow or stuck tier never makes ``put`` — or the actor's
-callers — wait. A lookup that finds a chunk below host memory starts its promotion
+background writes are :mod:`cluster.cache.write_behind`'s: bounded (past the bound a put's
+write-down is dropped, counted ``writes_dropped``, metric ``kvblend_writes_dropped``, one
+warning per shard, and the chunk stays in host memory only, so a slow or stuck tier never
+makes ``put``, or the actor's callers, wait), and readable while pending (a chunk evicted
+from host memory before its write landed is put back from it, ``write_behind_hits``). A lookup that finds a chunk below host memory starts its promotion
 (prefetch) into host memory in the background. The stack's writes and corrupt copies feed
 the shard's counters and metrics (``on_event``).
 
@@ -66,13 +66,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 
 import numpy as np
 
+from cluster.cache import write_behind
 from cluster.cache.deadline import LowerLookup
 from cluster.cache.identity import claim_disk_dir, node_name
 from cluster.cache.metrics import ShardMetrics
+from cluster.cache.write_behind import WriteBehind
 from cluster.env import configure_object_auth
 from tiers.config import TiersConfig
 from tiers.format import FormatError
@@ -86,14 +87,6 @@ log = logging.getLogger("kvblend.shard")
 #: prefetched chunks remembered until served (only to count ``prefetch_hits``); beyond it the
 #: oldest is forgotten (a later read of it is then not counted as a prefetch hit)
 MAX_PREFETCHED = 65536
-#: write-downs queued or running (each holds its put's object, pinned in the object store,
-#: until written to every lower tier); past it a put's write-down is dropped
-MAX_PENDING_WRITES = 256
-#: bytes of those objects: a quarter of the 2 GiB default ``object_store_gib`` (16-64 chunks of
-#: 8-32 MiB); one object larger than this is still written down when nothing else is pending
-MAX_PENDING_WRITE_BYTES = 512 * 2**20
-
-
 class CacheShard:
     """The shard's state and methods; wrapped as a Ray actor by
     :func:`cluster.cache.lifecycle.start_shards`.
@@ -143,17 +136,14 @@ class CacheShard:
         self._lock = threading.Lock()
         self._promoting: dict[ChunkKey, Future] = {}
         self._prefetched: OrderedDict[ChunkKey, None] = OrderedDict()  # oldest first
-        # write-downs (own threads: promotions never queue behind them) -> object bytes
-        self._write_pool = ThreadPoolExecutor(4, thread_name_prefix="kvblend-shard-write")
-        self._writes: dict[Future, int] = {}
-        self._write_bytes = 0
+        self.writes = WriteBehind(self._write_down, self._writes_dropped)
         # lower-tier header reads of lookups: parallel, by lookup_timeout_s, breaker per tier
         self._lower_lookup = LowerLookup(tiers_config.lookup_timeout_s, self._count, name,
                                          metrics=self.metrics)
         self.counters = dict.fromkeys(
             ("lookups", "misses", "read_errors", "puts", "put_rejected", "prefetch_started",
              "prefetch_hits", "promotions", "write_errors", "writes_dropped", "lookup_timeouts",
-             "breaker_open", "breaker_half_open", "breaker_closed"), 0)
+             "breaker_open", "breaker_half_open", "breaker_closed", "write_behind_hits"), 0)
         self.counters.update({f"hits_{t.name}": 0 for t in [self.host, *self.lower]})
         self._publisher = threading.Thread(target=self._publish_loop, daemon=True)
         self._publisher.start()
@@ -164,8 +154,16 @@ class CacheShard:
             self.counters[name] = self.counters.get(name, 0) + n
 
     def _host_entry(self, key: ChunkKey):
-        """(ref, header bytes, object bytes) of a host-resident chunk, or None."""
-        return self.host.get_object(key)
+        """(ref, header bytes, object bytes) of a host-resident chunk, or None. A chunk evicted
+        from host memory before its write-down landed is put back from the pending write
+        (``write_behind_hits``): it is in no tier for that window (:mod:`cluster.cache.write_behind`)."""
+        entry = self.host.get_object(key)
+        if entry is None:
+            held = self.writes.held(key)
+            if held is not None and self._store_host(key, held[0], held[1].header_end) is not None:
+                self._count("write_behind_hits")
+                entry = self.host.get_object(key)
+        return entry
 
     def _store_host(self, key: ChunkKey, obj, header_end: int) -> object | None:
         """``ray.put`` the object once and keep its ref in the host tier; returns the ref."""
@@ -230,36 +228,16 @@ class CacheShard:
             log.debug("%s: write-down of %s failed: %s", self.name, key, e)
             self._count("write_errors")
 
-    def _submit_write(self, key: ChunkKey, obj: np.ndarray, header) -> bool:
-        """Queue ``obj``'s write-down unless :data:`MAX_PENDING_WRITES` or
-        :data:`MAX_PENDING_WRITE_BYTES` is reached; then drop it (``writes_dropped``, one
-        warning). Never waits. Returns whether it was queued."""
-        nbytes = int(obj.nbytes)
-        with self._lock:
-            full = len(self._writes) >= MAX_PENDING_WRITES or (
-                bool(self._writes) and self._write_bytes + nbytes > MAX_PENDING_WRITE_BYTES)
-            if full:
-                self.counters["writes_dropped"] += 1
-                first = self.counters["writes_dropped"] == 1
-                pending, pending_bytes = len(self._writes), self._write_bytes
-            else:
-                fut = self._write_pool.submit(self._write_down, key, obj, header)
-                self._writes[fut] = nbytes
-                self._write_bytes += nbytes
-        if full:
-            self.metrics.inc("kvblend_writes_dropped")
-            if first:
-                log.warning("%s: %d write-downs (%d bytes) pending, the bound (MAX_PENDING_WRITES"
-                            "=%d, MAX_PENDING_WRITE_BYTES=%d): dropping new ones (host memory "
-                            "only; counted writes_dropped; warned once)", self.name, pending,
-                            pending_bytes, MAX_PENDING_WRITES, MAX_PENDING_WRITE_BYTES)
-            return False
-        fut.add_done_callback(self._write_done)
-        return True
-
-    def _write_done(self, fut: Future) -> None:
-        with self._lock:
-            self._write_bytes -= self._writes.pop(fut, 0)
+    def _writes_dropped(self, pending: int, pending_bytes: int, first: bool) -> None:
+        """:class:`WriteBehind`'s bound dropped a put's write-down: count it, warn once."""
+        self._count("writes_dropped")
+        self.metrics.inc("kvblend_writes_dropped")
+        if first:
+            log.warning("%s: %d write-downs (%d bytes) pending, the bound (MAX_PENDING_WRITES"
+                        "=%d, MAX_PENDING_WRITE_BYTES=%d): dropping new ones (host memory "
+                        "only; counted writes_dropped; warned once)", self.name, pending,
+                        pending_bytes, write_behind.MAX_PENDING_WRITES,
+                        write_behind.MAX_PENDING_WRITE_BYTES)
 
     # -- actor methods -----------------------------------------------------------------------
     def ready(self) -> dict:
@@ -379,17 +357,14 @@ class CacheShard:
             return False
         self._count("puts")
         stored = self._store_host(key, obj, header.header_end) is not None
-        queued = self.lower_stack is not None and self._submit_write(key, obj, header)
+        queued = self.lower_stack is not None and self.writes.submit(key, obj, header)
         return stored or queued
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait for background writes to lower tiers (and the stack's copies of promoted
         chunks); True when none is left pending."""
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            pending = list(self._writes)
-        _, not_done = wait_futures(pending, timeout=timeout_s)
-        if not_done:
+        if not self.writes.drain(timeout_s):
             return False
         return self.lower_stack is None or self.lower_stack.flush(max(0.0, deadline - time.monotonic()))
 
@@ -473,7 +448,7 @@ class CacheShard:
             (seconds since this actor process started), ``'counters': {name: count}``
             (cumulative since it started: lookups, misses, ``hits_<tier>``, read_errors, puts,
             put_rejected, prefetch_started, prefetch_hits, promotions, write_errors,
-            writes_dropped, lookup_timeouts, ``breaker_<state>`` per breaker change),
+            writes_dropped, write_behind_hits, lookup_timeouts, ``breaker_<state>`` per breaker change),
             ``'tiers': {tier name: tier.stats()}`` (host first; each tier's own cumulative
             counters and current ``bytes_used``/``capacity_bytes``/``num_chunks``, or
             ``{'error': message}``)``}``. ``kvblend status --json`` prints it per shard;

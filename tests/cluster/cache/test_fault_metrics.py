@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 
-from cluster.cache import shard as shard_mod
+from cluster.cache import write_behind
 from cluster.cache.metrics import METRICS, ShardMetrics, prometheus_names
 from tests.factories import (
     HANG_S,
@@ -211,7 +211,7 @@ def test_dropped_write_downs_are_emitted(monkeypatch, tmp_path):
     s = ray_free_shard(monkeypatch, tmp_path, TiersConfig(host_size_gib=0.01, disk_size_gib=0.0))
     s.lower_stack = _BlockingLower()
     rec = _record(s.metrics)
-    monkeypatch.setattr(shard_mod, "MAX_PENDING_WRITES", 1)
+    monkeypatch.setattr(write_behind, "MAX_PENDING_WRITES", 1)
     try:
         for i in range(3):  # the first write-down blocks; the next two are dropped
             key = make_key(i)

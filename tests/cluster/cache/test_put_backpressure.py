@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from cluster.cache import puts as puts_mod
-from cluster.cache import shard as shard_mod
+from cluster.cache import write_behind
 from tests.factories import HANG_S, make_key, make_kv, ray_free_shard, returns_within, stop_shard
 from tiers.codec import encode_kv
 from tiers.config import TiersConfig
+from tiers.keys import ChunkKey
 
 pytestmark = pytest.mark.unit
 
@@ -203,19 +204,19 @@ def _obj(i: int) -> tuple[str, np.ndarray]:
 def test_shard_put_returns_while_lower_tiers_block_and_drops_write_downs_past_the_bound(
         shard, monkeypatch):
     cap = 4
-    monkeypatch.setattr(shard_mod, "MAX_PENDING_WRITES", cap, raising=False)
+    monkeypatch.setattr(write_behind, "MAX_PENDING_WRITES", cap, raising=False)
     objs = [_obj(i) for i in range(3 * cap)]
     for text, arr in objs:  # every lower-tier write blocks
         assert returns_within(shard.put, text, arr) is True  # host memory took each of them
     assert shard.counters["puts"] == 3 * cap
     assert shard.counters.get("writes_dropped") == 2 * cap
-    assert len(shard._writes) == cap
+    assert len(shard.writes) == cap
     assert shard.stats()["counters"]["writes_dropped"] == 2 * cap
 
     shard.lower_stack.release.set()  # drain waits for the write-downs it accepted: the oldest
     assert returns_within(shard.drain, HANG_S) is True
     assert sorted(map(str, shard.lower_stack.written)) == sorted(t for t, _ in objs[:cap])
-    assert len(shard._writes) == 0
+    assert len(shard.writes) == 0
     assert returns_within(shard.put, *_obj(100)) is True  # room again: written down
     assert returns_within(shard.drain, HANG_S) is True
     assert str(shard.lower_stack.written[-1]) == str(make_key(100))
@@ -225,15 +226,48 @@ def test_shard_put_returns_while_lower_tiers_block_and_drops_write_downs_past_th
 def test_shard_bounds_write_down_bytes(shard, monkeypatch):
     objs = [_obj(i) for i in range(6)]
     size = objs[0][1].nbytes
-    monkeypatch.setattr(shard_mod, "MAX_PENDING_WRITE_BYTES", int(2.5 * size), raising=False)
+    monkeypatch.setattr(write_behind, "MAX_PENDING_WRITE_BYTES", int(2.5 * size), raising=False)
     for text, arr in objs:
         assert returns_within(shard.put, text, arr) is True
-    assert len(shard._writes) == 2
+    assert len(shard.writes) == 2
     assert shard.counters.get("writes_dropped") == 4
 
 
 def test_a_put_neither_host_nor_write_down_took_is_refused(shard, monkeypatch):
-    monkeypatch.setattr(shard_mod, "MAX_PENDING_WRITES", 1, raising=False)
+    monkeypatch.setattr(write_behind, "MAX_PENDING_WRITES", 1, raising=False)
     shard._store_host = lambda key, obj, header_end: None  # host memory refuses everything
     assert returns_within(shard.put, *_obj(0)) is True   # its write-down was queued
     assert returns_within(shard.put, *_obj(1)) is False  # stored nowhere: the client counts put_errors
+
+
+def test_a_chunk_evicted_from_host_memory_before_its_write_down_landed_is_still_read(
+        monkeypatch, tmp_path):
+    """The demo's flake (a hit at lookup, missing at read: the request recomputed): host memory
+    evicts a chunk whose write-down is still pending, so it is in no tier. The pending write
+    holds it: lookup and get_refs find it, and it goes back into host memory."""
+    objs = [_obj(i) for i in range(8)]
+    host_gib = 4 * objs[0][1].nbytes / 2**30  # room for four of them
+    shard = ray_free_shard(monkeypatch, tmp_path, TiersConfig(host_size_gib=host_gib, disk_size_gib=0.0))
+    shard.lower_stack = _BlockingLower()  # write-downs block: every one stays pending
+    try:
+        _read_while_the_write_down_is_pending(shard, objs)
+    finally:
+        shard.lower_stack.release.set()
+        stop_shard(shard)
+
+
+def _read_while_the_write_down_is_pending(shard, objs) -> None:
+    for text, arr in objs:
+        assert returns_within(shard.put, text, arr) is True
+    first = ChunkKey.parse(objs[0][0])
+    assert not shard.host.contains([first])[0], "the test needs the first chunk evicted"
+    assert shard.writes.held(first) is not None
+    hit = returns_within(shard.lookup, [objs[0][0]])[0]
+    assert hit is not None and hit[0] == "host"
+    assert returns_within(shard.get_refs, [objs[0][0]])[0] == [f"ref:{first}"]
+    assert shard.counters["write_behind_hits"] == 1  # put back once; the get found it there
+    assert shard.counters["misses"] == 0
+
+    shard.lower_stack.release.set()  # landed: no longer held
+    assert returns_within(shard.drain, HANG_S) is True
+    assert shard.writes.held(first) is None and len(shard.writes) == 0
