@@ -13,16 +13,16 @@
    nothing reused, full prefill) and then the first ``--prefix-queries`` as ``vllm_prefix``
    (vLLM's prefix cache), and stops. No kvblend request runs beside a measured baseline query.
 3. Ingests the corpus (timed) and sends the same queries to the two kvblend replicas,
-   alternating. Each engine first answers the same one-query warm-up (its passages are
-   ingested, so kvblend's warm-up takes the blend path). Queries are sent one after another,
-   and after each one the demo waits for that replica's stores (the canonical KV of the
-   passages it missed, computed after its answer): one engine computes at a time, so every
-   engine's OpenMP threads get all of this machine's cores (``--cpus``).
-4. Prints a table per mode (:mod:`cluster.workloads.demo_report`: TTFT p50/p90 and ratio to
+   alternating. Each engine first answers the same one-query warm-up (``WARMUP_PASSAGES``
+   passages, all ingested, so kvblend's warm-up takes the blend path). Queries are sent one
+   after another, and after each one the demo waits for that replica's stores (the canonical
+   KV of the passages it missed, computed after its answer): one engine computes at a time, so
+   every engine's OpenMP threads get all of this machine's cores (``--cpus``).
+4. Stops the engines, and the cluster unless ``--keep`` (step ``stop``).
+5. Prints a table per mode (:mod:`cluster.workloads.demo_report`: TTFT p50/p90 and ratio to
    ``full``, serving time, agreement with full prefill's answers, hit rate per tier, reused
    and recomputed tokens, gold F1), then ingest and the wall seconds and busy cores of each
    step; writes ``--json`` and a PNG.
-5. Stops everything unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ log = logging.getLogger("kvblend.demo")
 MODES = ("kvblend", "full", "vllm_prefix")
 #: seconds the demo waits after a kvblend query for its replica's stores (issue 36)
 STORE_WAIT_S = 60.0
+#: passages of the warm-up query (all ingested): enough for kvblend's warm-up to take the blend
+#: path, a short prompt for every engine (a 6-passage warm-up cost ~14 s of full prefill)
+WARMUP_PASSAGES = 2
+#: every engine's scheduler runs in its API server's process (vLLM's default spawns it a process
+#: of its own, which imports vLLM again): three engines started together in 38 s instead of 64 s
+#: on the 2-core machine (2026-12-06). All engines alike, so the baselines are served the same way.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 SYSTEM_PROMPT = ("You answer questions using the passages below. "
                  "Reply with the answer only, in at most five words.")
 
@@ -94,7 +101,7 @@ class Workload:
     queries: list[Query]
     ingest: list[str]           # passages ingested before serving
     held_out: list[str]         # passages never ingested
-    warmup: list[Query]         # one query sent to every engine before measuring
+    warmup: list[Query]         # one query sent to every engine before measuring (WARMUP_PASSAGES)
 
 
 def build_workload(examples, num_queries: int, k: int, holdout: float, seed: int) -> Workload:
@@ -119,6 +126,8 @@ def build_workload(examples, num_queries: int, k: int, holdout: float, seed: int
         own = list(ex.passages[:k - 1])
         shared = nxt.passages[0] if nxt is not ex else ex.passages[k - 1]
         chosen = own + [shared]
+        if i >= num_queries:
+            chosen = chosen[:WARMUP_PASSAGES]
         n_hold = round(holdout * k)
         order = chosen[:]
         rng.shuffle(order)
@@ -219,12 +228,13 @@ def run(args: argparse.Namespace) -> int:
         if "kvblend" in modes:
             results["kvblend"], ingest = _run_kvblend(args, demo, ray_address, engines, steps)
     finally:
-        engines.stop()
-        if cluster is not None:
-            with contextlib.suppress(Exception):  # its error, if any, was raised above
-                cluster.wait()
-            if not args.keep:
-                cluster.ray.stop()  # its own processes only
+        with steps("stop"):
+            engines.stop()
+            if cluster is not None:
+                with contextlib.suppress(Exception):  # its error, if any, was raised above
+                    cluster.wait()
+                if not args.keep:
+                    cluster.ray.stop()  # its own processes only
     meta = {"dataset": args.dataset, "num_queries": args.num_queries, "prefix_queries": demo.prefix_queries or None,
             "passages_per_query": args.passages_per_query,
             "mean_prompt_tokens": demo.mean_prompt_tokens, "modes": modes,
@@ -305,7 +315,7 @@ class _Engines:
         from cluster.workloads.replicas import start_replica
 
         self.baseline = start_replica("baseline", self.demo.model_path, use_connector=False, prefix_caching=True,
-                                      log_dir=self.demo.workdir, cpus=self.demo.cpus)
+                                      log_dir=self.demo.workdir, cpus=self.demo.cpus, env=ENGINE_ENV)
 
     def start_kvblend(self, ray_address: str) -> None:
         from cluster.workloads.replicas import start_replica
@@ -315,7 +325,7 @@ class _Engines:
         extra = {"ray_address": ray_address, "stats_path": self.stats_path}
         for c in "ab":
             self.kvblend.append(start_replica(f"kvblend-{c}", self.demo.model_path, connector_extra=extra,
-                                              log_dir=self.demo.workdir, cpus=self.demo.cpus))
+                                              log_dir=self.demo.workdir, cpus=self.demo.cpus, env=ENGINE_ENV))
 
     def wait_ready(self) -> None:
         from cluster.workloads.replicas import wait_ready
