@@ -13,6 +13,8 @@ Lifecycle, for the shard that owns a stack::
 Reads take the first tier (top first) that holds a valid object and promote it into every
 tier above (asynchronously; the promoted copy is stored uncompressed in the top tier and
 as given below it). Writes land in the top tier synchronously and go down asynchronously
+(:mod:`tiers.write_behind`: bounded, ``writes_dropped`` past it; a chunk evicted from the top
+before its write-down landed is put back from the pending write, ``write_behind_hits``)
 to the tiers named in ``write_down`` that lack the key, lz4-compressed (per layer, where it
 pays: see :func:`tiers.lower.recode`) when ``compression="lz4"``; ``raw_top=False`` encodes the
 top tier like those (a top below memory: the cache shard's disk). A chunk is pinned in the
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -40,8 +43,10 @@ from tiers.header_cache import HeaderCache
 from tiers.keys import ChunkKey
 from tiers.lower import recode, shared_tiers
 from tiers.ownership import OLDER, classify
-from tiers.reader import ReadCounters, read_header, read_layers, read_object, validate_object
+from tiers.reader import ReadCounters, validate_object
+from tiers.stack_reads import StackReads
 from tiers.tier import Buffer, Tier
+from tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ _HEADER_CACHE = 4096
 EventHook = Callable[[str, str, int], None]
 
 
-class TierStack:
+class TierStack(StackReads):
     """Byte tiers composed top (fastest) to bottom (see module docstring).
 
     Args:
@@ -100,7 +105,10 @@ class TierStack:
         self._promoting: dict[ChunkKey, Future] = {}
         self._headers = HeaderCache(_HEADER_CACHE)
         self.counters = ReadCounters()
-        self._stats = {"write_down_failures": 0, "promotions": 0, "corrupt_deleted": 0}
+        self._stats = {"write_down_failures": 0, "writes_dropped": 0, "write_behind_hits": 0,
+                       "promotions": 0, "corrupt_deleted": 0}
+        self._behind = WriteBehind(self._write_held, lambda *_: self._bump("writes_dropped"),
+                                   max_workers, "tierstack-write")
         self.name = "stack"
 
     @classmethod
@@ -206,14 +214,24 @@ class TierStack:
             ok = self._put_tier(top, key, form)
             low = None if self.raw_top else form  # then the lower form already: no 2nd recode
         if self.write_down:
-            self._submit(self._write_down, key, obj, header, low)
+            self._behind.submit(key, obj, (header, low))
         return ok
 
-    def _write_down(self, key: ChunkKey, obj: Buffer, header: ChunkHeader,
-                    low: Buffer | None) -> None:
-        for ok in self._store(key, obj, header, self.write_down, low).values():
+    def _write_held(self, key: ChunkKey, obj: Buffer, forms: tuple[ChunkHeader, Buffer | None]) -> None:
+        """A pending write-down (``forms``: the header and the lower form when known)."""
+        for ok in self._store(key, obj, forms[0], self.write_down, forms[1]).values():
             if not ok:
                 self._bump("write_down_failures")
+
+    def _restore(self, key: ChunkKey) -> None:
+        """Put ``key`` back into the top tier from its pending write-down when the top evicted it
+        before the write landed (it was in no tier): see :mod:`tiers.write_behind`."""
+        held = self._behind.held(key)
+        if held is None or self.tiers[0].contains([key])[0]:
+            return
+        obj, (header, _) = held
+        if self._put_tier(self.tiers[0], key, self._form(obj, key, header, True)):
+            self._bump("write_behind_hits")
 
     def store(self, key: ChunkKey, obj: Buffer, names: Sequence[str], *,
               header: ChunkHeader | None = None) -> dict[str, bool]:
@@ -248,148 +266,13 @@ class TierStack:
 
     def flush(self, timeout_s: float | None = 60.0) -> bool:
         """Wait for pending write-downs and promotions; True when all finished in time."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._behind.drain(timeout_s):
+            return False
         with self._lock:
             pending = list(self._pending)
-        done, not_done = wait(pending, timeout=timeout_s)
+        done, not_done = wait(pending, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not not_done
-
-    # -- reads ---------------------------------------------------------------------------
-    def locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
-        """Name of the first tier holding each key (one batch call per tier), or None."""
-        where: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, w in enumerate(where) if w is None]
-            if not todo:
-                break
-            for i, hit in zip(todo, tier.contains([keys[i] for i in todo]), strict=False):
-                if hit:
-                    where[i] = tier.name
-        return where
-
-    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [w is not None for w in self.locate(keys)]
-
-    def read_layers(self, key: ChunkKey, layer_idxs: Sequence[int],
-                    outs: Sequence[Buffer]) -> ChunkHeader | None:
-        """Read layers into the caller's buffers from the first tier with a valid object.
-
-        Shapes: each ``outs[i]`` is a writable buffer of the layer's raw ``[2, T, H, D]``
-        bytes (``header.layer_nbytes``). Returns the header, or None when no tier has a
-        valid object (then ``outs`` are unspecified).
-
-        Raises:
-            ValueError: see :func:`tiers.reader.read_layers`.
-        """
-        for depth, tier in enumerate(self.tiers):
-            pin = getattr(tier, "pin", None)
-            pinned = pin([key])[0] if pin is not None else False
-            try:
-                local = ReadCounters()
-                cached = self._cached_header(tier, key)
-                if cached is None:
-                    header = read_header(tier, key, local)
-                    got = None if header is None else read_layers(
-                        tier, key, layer_idxs, outs, header=header, counters=local)
-                else:
-                    got = read_layers(tier, key, layer_idxs, outs, header=cached, counters=local)
-                    if got is None and local.snapshot()["corrupt"]:
-                        # A stale cached header fails the checks too: the object under a key
-                        # may have been re-encoded (evicted, then written again by a process
-                        # with another compression setting). Corrupt only if its header is
-                        # unchanged (or itself corrupt); a header that cannot be read now is
-                        # a miss, never a reason to delete.
-                        first, local = local, ReadCounters()
-                        fresh = read_header(tier, key, local)
-                        if fresh == cached:
-                            local = first
-                        elif fresh is not None:
-                            got = read_layers(tier, key, layer_idxs, outs, header=fresh, counters=local)
-            finally:
-                if pinned:
-                    tier.unpin([key])
-            if got is not None:
-                self._cache_header(tier, key, got)
-                self.counters.add("hits")
-                if depth > 0 and self.promote:
-                    self._promote(key, depth)
-                return got
-            self._cache_header(tier, key, None)
-            if local.snapshot()["corrupt"]:
-                self._corrupt(tier, key)
-        self.counters.add("misses")
-        return None
-
-    def read_layer_async(self, key: ChunkKey, layer_idx: int,
-                         out: Buffer | None = None) -> Future[memoryview | None]:
-        """Layer ``layer_idx`` of ``key`` in the background: a future of the raw ``[2, T, H, D]``
-        bytes (``out`` when given, else a fresh buffer), or of None on a miss."""
-        return self._read_pool.submit(self._read_one, key, layer_idx, out)
-
-    def _read_one(self, key: ChunkKey, layer_idx: int, out: Buffer | None) -> memoryview | None:
-        if out is None:
-            header = None
-            for tier in self.tiers:
-                header = self._cached_header(tier, key)
-                if header is not None:
-                    break
-            if header is None:
-                for tier in self.tiers:
-                    header = read_header(tier, key)
-                    if header is not None:
-                        self._cache_header(tier, key, header)
-                        break
-            if header is None:
-                self.counters.add("misses")
-                return None
-            try:
-                out = bytearray(header.layer_nbytes)
-            except MemoryError:  # a miss, never an exception out of the future
-                self.counters.add("oversized")
-                return None
-        view = memoryview(out).cast("B")
-        return view if self.read_layers(key, [layer_idx], [view]) is not None else None
-
-    def get(self, key: ChunkKey) -> Buffer | None:
-        """The whole object from the first tier holding a valid one (promoting it), or None."""
-        found = self.find(key)
-        return None if found is None else found[1]
-
-    def find(self, key: ChunkKey) -> tuple[str, Buffer, ChunkHeader] | None:
-        """As :meth:`get`, with the name of the tier it came from and its validated header:
-        ``(tier name, object, header)``, or None when no tier holds a valid object."""
-        found = self._find_from(0, key)
-        if found is None:
-            self.counters.add("misses")
-            return None
-        depth, obj, header = found
-        self.counters.add("hits")
-        if depth > 0 and self.promote:
-            self._promote(key, depth, obj)
-        return self.tiers[depth].name, obj, header
-
-    def _find_from(self, first: int, key: ChunkKey) -> tuple[int, Buffer, ChunkHeader] | None:
-        """``(depth, object, header)`` of the first tier from ``first`` down holding a valid
-        whole object (Redis/S3 read no more than the object its header describes:
-        :func:`tiers.reader.read_object`); a corrupt one met on the way is deleted."""
-        for depth in range(first, len(self.tiers)):
-            tier, local, cached = self.tiers[depth], ReadCounters(), self._cached_header(self.tiers[depth], key)
-            got = read_object(tier, key, local, header=cached)
-            if got is None and cached is not None and not local.snapshot()["corrupt"]:
-                got = read_object(tier, key, local)  # re-encoded since, maybe longer: its own header
-            if got is not None:
-                return depth, *got
-            if local.snapshot()["corrupt"]:
-                self._corrupt(tier, key)
-        return None
-
-    def get_ranges(self, key: ChunkKey, ranges: Sequence[tuple[int, int]]) -> list[Buffer] | None:
-        """Byte ranges from the first tier holding ``key`` (no validation: use
-        :meth:`read_layers` for checked KV)."""
-        for tier in self.tiers:
-            got = tier.get_ranges(key, ranges)
-            if got is not None:
-                return got
-        return None
 
     # -- promotion -----------------------------------------------------------------------
     def prefetch(self, keys: Sequence[ChunkKey]) -> list[Future]:
@@ -463,7 +346,8 @@ class TierStack:
     # -- admin ---------------------------------------------------------------------------
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Delete from every tier; returns how many keys were present in at least one."""
-        present = [False] * len(keys)
+        present = [self._behind.held(k) is not None for k in keys]
+        self._behind.forget(keys)  # a pending write-down must not bring one back
         for tier in self.tiers:
             hits = tier.contains(keys)
             self._delete_from(tier, keys)
@@ -475,6 +359,8 @@ class TierStack:
         """Delete every chunk (of ``namespace``; ``stale``: only of an older format, :mod:`tiers.ownership`)
         from the tiers that list keys (host, disk; not Redis/S3); returns how many."""
         n = 0
+        if not stale:
+            self._behind.forget([k for k in self._behind.keys() if namespace is None or k.namespace == namespace])
         for tier in (t for t in self.tiers if hasattr(t, "keys")):
             keys = [k for k in tier.keys() if namespace is None or k.namespace == namespace]
             if stale:
@@ -488,12 +374,13 @@ class TierStack:
 
     def stats(self) -> dict[str, dict[str, float]]:
         with self._lock:
-            stack = {**self._stats, **self.counters.snapshot(), "pending": len(self._pending)}
+            stack = {**self._stats, **self.counters.snapshot(), "pending": len(self._pending) + len(self._behind)}
         return {"stack": stack, **{t.name: t.stats() for t in self.tiers}}
 
     def close(self, timeout_s: float = 60.0) -> bool:
         """Flush, then stop the background threads. Returns :meth:`flush`'s result."""
         ok = self.flush(timeout_s)
+        self._behind.close(wait=False)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._read_pool.shutdown(wait=False, cancel_futures=True)
         return ok

@@ -23,12 +23,13 @@ finds the encoding it always wrote (readers slice each object with its own heade
 encodings may differ between tiers). ``put`` writes the host tier at once and the lower tiers
 in the background (write-through: the disk so a restart loses nothing, Redis/S3 so other
 shards and clients with a dead owner still find it); ``drain`` waits for those writes. The
-background writes are :mod:`cluster.cache.write_behind`'s: bounded (past the bound a put's
+background writes are :mod:`tiers.write_behind`'s: bounded (past the bound a put's
 write-down is dropped, counted ``writes_dropped``, metric ``kvblend_writes_dropped``, one
 warning per shard, and the chunk stays in host memory only, so a slow or stuck tier never
 makes ``put``, or the actor's callers, wait), and readable while pending (a chunk evicted
-from host memory before its write landed is put back from it, ``write_behind_hits``). A lookup that finds a chunk below host memory starts its promotion
-(prefetch) into host memory in the background. The stack's writes and corrupt copies feed
+from host memory before its write landed is put back from it, ``write_behind_hits``). A
+lookup that finds a chunk below host memory starts its promotion (prefetch) into host memory
+in the background. The stack's writes and corrupt copies feed
 the shard's counters and metrics (``on_event``).
 
 Bulk bytes never travel through actor method returns. Each host-resident chunk object is
@@ -69,18 +70,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from cluster.cache import write_behind
 from cluster.cache.deadline import LowerLookup
 from cluster.cache.identity import claim_disk_dir, node_name
 from cluster.cache.metrics import ShardMetrics
-from cluster.cache.write_behind import WriteBehind
 from cluster.env import configure_object_auth
+from tiers import write_behind
 from tiers.config import TiersConfig
 from tiers.format import FormatError
 from tiers.keys import ChunkKey
 from tiers.lower import shared_tiers
 from tiers.reader import validate_object
 from tiers.stack import TierStack
+from tiers.write_behind import WriteBehind
 
 log = logging.getLogger("kvblend.shard")
 
@@ -136,7 +137,7 @@ class CacheShard:
         self._lock = threading.Lock()
         self._promoting: dict[ChunkKey, Future] = {}
         self._prefetched: OrderedDict[ChunkKey, None] = OrderedDict()  # oldest first
-        self.writes = WriteBehind(self._write_down, self._writes_dropped)
+        self.writes = WriteBehind(self._write_down, self._writes_dropped, name="kvblend-shard-write")
         # lower-tier header reads of lookups: parallel, by lookup_timeout_s, breaker per tier
         self._lower_lookup = LowerLookup(tiers_config.lookup_timeout_s, self._count, name,
                                          metrics=self.metrics)
@@ -156,7 +157,7 @@ class CacheShard:
     def _host_entry(self, key: ChunkKey):
         """(ref, header bytes, object bytes) of a host-resident chunk, or None. A chunk evicted
         from host memory before its write-down landed is put back from the pending write
-        (``write_behind_hits``): it is in no tier for that window (:mod:`cluster.cache.write_behind`)."""
+        (``write_behind_hits``): it is in no tier for that window (:mod:`tiers.write_behind`)."""
         entry = self.host.get_object(key)
         if entry is None:
             held = self.writes.held(key)
@@ -411,7 +412,7 @@ class CacheShard:
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is in any of this shard's tiers (no promotion)."""
         parsed = [ChunkKey.parse(k) for k in keys]
-        found = self.host.contains(parsed)
+        found = [f or self.writes.held(k) is not None for f, k in zip(self.host.contains(parsed), parsed, strict=True)]
         rest = [i for i, f in enumerate(found) if not f]
         if rest and self.lower_stack is not None:
             got = self.lower_stack.contains([parsed[i] for i in rest])
@@ -424,6 +425,7 @@ class CacheShard:
         keys were present anywhere."""
         parsed = [ChunkKey.parse(k) for k in keys]
         present = self.contains(keys)
+        self.writes.forget(parsed)  # a pending write-down must not bring one back
         self.host.delete(parsed)
         if self.lower_stack is not None:
             self.lower_stack.delete(parsed)  # a failing tier is logged, never raised
@@ -432,6 +434,8 @@ class CacheShard:
     def clear(self, namespace: str | None = None, stale: bool = False) -> int:
         """Delete every chunk (of ``namespace`` when given; ``stale``: only objects of another
         format version, never in host memory) from host and disk; returns how many."""
+        if not stale:
+            self.writes.forget([k for k in self.writes.keys() if namespace is None or k.namespace == namespace])
         n = 0 if stale else self.host.delete([k for k in self.host.keys()
                                               if namespace is None or k.namespace == namespace])
         if self.lower_stack is not None:

@@ -331,3 +331,44 @@ def test_shared_tiers_leave_out_a_tier_that_cannot_be_opened(caplog, tmp_path):
     assert "redis tier http://not-redis unavailable" in caplog.text
     assert "s3 tier gs://not-s3 unavailable" in caplog.text
     assert [t.name for t in TierStack.from_config(cfg, str(tmp_path)).tiers] == ["host"]
+
+
+class _BlockedTier(MemoryTier):
+    """A lower tier whose puts wait until ``release`` is set (a slow disk under a burst)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(1 << 30, name=name)
+        self.release = threading.Event()
+
+    def put(self, key, obj):
+        assert self.release.wait(30)
+        return super().put(key, obj)
+
+
+def test_a_chunk_evicted_from_the_top_before_its_write_down_landed_is_still_read():
+    """The top tier evicts a chunk whose write-down still waits: it is in no tier. The pending
+    write holds it, so every read path finds it, bit-exact, and puts it back on top; a delete
+    forgets it (a queued write-down of it never lands)."""
+    kvs = [make_kv(i) for i in range(6)]
+    keys = [make_key(i) for i in range(6)]
+    objs = [make_object(k, kv) for k, kv in zip(keys, kvs, strict=True)]
+    top, low = MemoryTier(2 * len(objs[0]) + 1, name="host"), _BlockedTier("disk")
+    stack = TierStack([top, low], compression="none", max_workers=1)  # one write at a time
+    try:
+        for key, obj in zip(keys, objs, strict=True):
+            assert stack.put(key, obj)
+        assert top.contains(keys[:2]) == [False, False] and low.contains(keys[:2]) == [False, False]
+        assert stack.locate([keys[0]]) == ["host"]                      # put back on top
+        assert bytes(stack.get(keys[1])) == objs[1]
+        outs = layer_buffers(kvs[2])
+        assert stack.read_layers(keys[2], range(3), outs) is not None
+        assert all(as_layer(o, kvs[2][i]).equal(kvs[2][i]) for i, o in enumerate(outs))
+        assert stack.stats()["stack"]["write_behind_hits"] == 3
+        assert stack.delete([keys[5]]) == 1                             # pending only: still counted
+        low.release.set()
+        assert stack.flush(30)
+        assert low.contains(keys) == [True] * 5 + [False]               # the deleted one never landed
+        assert stack.locate([keys[5]]) == [None]
+    finally:
+        low.release.set()
+        stack.close()

@@ -17,7 +17,6 @@ import threading
 import numpy as np
 import pytest
 
-from cluster.cache import write_behind
 from cluster.cache.metrics import METRICS, ShardMetrics, prometheus_names
 from tests.factories import (
     HANG_S,
@@ -29,6 +28,7 @@ from tests.factories import (
     returns_within,
     stop_shard,
 )
+from tiers import write_behind
 from tiers.config import TiersConfig
 
 pytestmark = pytest.mark.unit

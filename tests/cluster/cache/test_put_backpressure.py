@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from cluster.cache import puts as puts_mod
-from cluster.cache import write_behind
 from tests.factories import HANG_S, make_key, make_kv, ray_free_shard, returns_within, stop_shard
+from tiers import write_behind
 from tiers.codec import encode_kv
 from tiers.config import TiersConfig
 from tiers.keys import ChunkKey
@@ -185,6 +185,13 @@ class _BlockingLower:
     def flush(self, timeout_s=None):
         return True
 
+    def contains(self, keys):
+        with self._lock:
+            return [k in self.written for k in keys]
+
+    def delete(self, keys):
+        return 0
+
 
 @pytest.fixture
 def shard(monkeypatch, tmp_path):
@@ -268,6 +275,14 @@ def _read_while_the_write_down_is_pending(shard, objs) -> None:
     assert shard.counters["write_behind_hits"] == 1  # put back once; the get found it there
     assert shard.counters["misses"] == 0
 
+    # deleted while its write-down waits for a thread (four run, blocked): it never lands
+    last = ChunkKey.parse(objs[-1][0])
+    shard.host.delete([last])  # evicted, as the first was
+    assert returns_within(shard.contains, [objs[-1][0]]) == [True]
+    assert returns_within(shard.delete, [objs[-1][0]]) == 1
+    assert returns_within(shard.lookup, [objs[-1][0]]) == [None]
+
     shard.lower_stack.release.set()  # landed: no longer held
     assert returns_within(shard.drain, HANG_S) is True
     assert shard.writes.held(first) is None and len(shard.writes) == 0
+    assert first in shard.lower_stack.written and last not in shard.lower_stack.written
