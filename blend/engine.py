@@ -69,8 +69,10 @@ from blend.rows import (
     fit_to_source,
     layer_result,
     place_cached,
+    recompute_lost,
     request_rows,
     start_fetch,
+    unreadable_hits,
 )
 from blend.steps import run_steps, timed_steps, wait_for_device
 
@@ -85,7 +87,12 @@ OnLayer = Callable[[int, torch.Tensor], None]
 
 
 class _Fallback(Exception):
-    """A hit chunk's layer could not be read: recompute the request."""
+    """A hit chunk's layer could not be read: recompute the request (``lost``: the keys of the
+    chunks to blame, when some are; ``()`` when the whole layer failed)."""
+
+    def __init__(self, why: str, lost: tuple = ()) -> None:
+        super().__init__(why)
+        self.lost = lost
 
 
 class BlendEngine:
@@ -152,11 +159,14 @@ class BlendEngine:
         """Blend tokens ``[0, plan.blend_end)`` per the plan.
 
         ``on_layer(layer_idx, kv)`` (kv ``[2, T, H, D]``) is called as soon as each layer's
-        final KV is known. If ``plan.full_prefill_reason`` is set, or a hit chunk's layer
+        final KV is known. A hit chunk whose layer cannot be read (found at lookup, gone or
+        malformed since) is computed instead: the request is blended again with it as a miss
+        (``counters.lost_segments``; not with tensor parallelism, whose ranks would have to
+        agree). If ``plan.full_prefill_reason`` is set, no hit would be left, or a whole layer
         cannot be fetched, the engine computes full prefill of ``[0, blend_end)`` instead and
         says so in the counters (``num_hit_segments=0``, ``reused_tokens=0``,
-        ``full_prefill_reason``); after a mid-request fallback ``on_layer`` is called again
-        for every layer (the last call per layer wins).
+        ``full_prefill_reason``). After either, ``on_layer`` is called again for every layer
+        (the last call per layer wins).
 
         Raises:
             ValueError: ``blend_end == 0``, a prompt longer than the context window, a check
@@ -172,7 +182,7 @@ class BlendEngine:
         decoding).
 
         Yields the index of each layer once its ``on_layer`` call returned (after a
-        mid-request fallback the layers count from 0 again); returns the
+        mid-request fallback or a blend again without a lost chunk the layers count from 0 again); returns the
         :class:`BlendResult` (``StopIteration.value``; :func:`run_steps` drives it to the
         end; a ``query_attention`` request first yields once per probe layer, before any
         ``on_layer`` call). Drive it with gradients off (``torch.no_grad``/``inference_mode`` around each
@@ -201,15 +211,24 @@ class BlendEngine:
             plan = fit_to_source(plan, self.source, kv_bytes_per_token(self.spec, torch.finfo(self.model.dtype).bits // 8),
                                  counters)
             reason = plan.full_prefill_reason
-        if reason is None:
+        lost: tuple = ()  # keys of the hit chunks computed after they could not be read
+        while reason is None:
             try:
                 steps = self._blend(plan, want_logits, on_layer, counters)
                 result = yield from timed_steps(steps, spent, self._device_done)
                 counters.compute_s = spent[0] - counters.load_wait_s
+                counters.lost_segments, counters.lost_keys = len(lost), lost
                 self._log(counters)
                 return result
             except _Fallback as e:
                 reason = str(e)
+                again = None if self.process_group is not None else recompute_lost(plan, e.lost)
+                if again is not None:  # blend again, the lost chunks computed (no rank to agree with)
+                    log.info("%s: blending again with the lost chunk(s) computed", reason)
+                    lost += tuple(s.key for s in plan.hit_segments if s.key in e.lost)
+                    counters = BlendCounters(num_segments=len(chunks), load_wait_s=counters.load_wait_s,
+                                             unfit_segments=counters.unfit_segments, unfit_keys=counters.unfit_keys)
+                    plan, reason = again, None
         counters = BlendCounters(num_segments=len(chunks), computed_tokens=num_tokens,
                                  load_wait_s=counters.load_wait_s, full_prefill_reason=reason)
         steps = self._full(token_ids, want_logits, on_layer, counters)
@@ -312,7 +331,8 @@ class BlendEngine:
         counters.load_wait_s += time.perf_counter() - t0
         why = check_layer_batch(rows, got, spec, layer_idx)
         if not self._all_ranks_ok(why is None):
-            raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank")
+            raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank",
+                            unreadable_hits(rows, got, spec) if why else ())
         place_cached(kv, rows, got)
         return kv
 

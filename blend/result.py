@@ -41,6 +41,9 @@ class BlendCounters:
         unfit_segments: hit chunks the source could not hold at once (a cache agent's arena
             smaller than the request), computed instead of loaded; unfit_keys: their keys (no
             transfer: left out of the cost estimates' transfer sample).
+        lost_segments: hit chunks found at lookup but missing (or malformed) when read:
+            computed instead (the request was blended again with them as misses, not sent to
+            full prefill); lost_keys: their keys (no transfer, as ``unfit_keys``).
         full_prefill_reason: why the request was computed by full prefill (None when blended).
     """
 
@@ -58,6 +61,8 @@ class BlendCounters:
     transfer_s: float = 0.0
     unfit_segments: int = 0
     unfit_keys: tuple = ()
+    lost_segments: int = 0
+    lost_keys: tuple = ()
     full_prefill_reason: str | None = None
 
 

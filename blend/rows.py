@@ -149,6 +149,16 @@ def fit_to_source(plan: BlendPlan, source, per_token: int, counters: BlendCounte
     return plan
 
 
+def recompute_lost(plan: BlendPlan, lost_keys: tuple) -> BlendPlan | None:
+    """``plan`` with the hit chunks named in ``lost_keys`` (found at lookup, unreadable at their
+    first read) computed instead of loaded; None when none is named or no hit would be left
+    (then the request is full prefill)."""
+    idx = [i for i, s in enumerate(plan.segments) if s.hit and s.key in lost_keys]
+    if not idx or len(idx) == len(plan.hit_segments):
+        return None
+    return plan.recomputing(idx)
+
+
 def check_layer_batch(rows: RequestRows, got, spec: ModelSpec, layer_idx: int) -> str | None:
     """Why layer ``layer_idx`` of the hit chunks, as a source delivered it (``got``: one
     ``[2, n_i, H, D]`` tensor per hit, or None), cannot be used; None when it can."""
@@ -160,6 +170,15 @@ def check_layer_batch(rows: RequestRows, got, spec: ModelSpec, layer_idx: int) -
             return (f"layer {layer_idx} of chunk {seg.key} could not be read ("
                     f"{'missing' if chunk_kv is None else f'shape {tuple(chunk_kv.shape)} != {want}'})")
     return None
+
+
+def unreadable_hits(rows: RequestRows, got, spec: ModelSpec) -> tuple:
+    """Keys of the hit chunks whose layer in ``got`` (as :func:`check_layer_batch` takes it) is
+    missing or malformed; ``()`` when the whole layer failed (no chunk to blame) or none did."""
+    if got is None or len(got) != len(rows.hits):
+        return ()
+    return tuple(seg.key for seg, chunk_kv in zip(rows.hits, got, strict=True)
+                 if chunk_kv is None or tuple(chunk_kv.shape) != (2, seg.num_tokens, spec.num_kv_heads, spec.head_dim))
 
 
 def place_cached(kv: torch.Tensor, rows: RequestRows, got) -> None:

@@ -161,7 +161,8 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token), the
     seconds to the last layer's arrival and the seconds the engine waited for layers. Chunks
     in ``local`` (keys the worker's gpu tier held, though the lookup named the tier below, and
-    the counters' ``unfit_keys``, computed because the source could not hold them: no transfer)
+    the counters' ``unfit_keys`` and ``lost_keys``, computed because the source could not hold
+    them or had lost them: no transfer)
     are left out of the bytes; a blend that read only those has no transfer
     sample. Called by the vLLM worker after each blend and prefill, and by
     ``kvblend bench gpu --placement`` the same way."""
@@ -169,7 +170,7 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     by_tier: dict[str, int] | None = None
     if plan is not None and counters.transfer_s > 0 and counters.full_prefill_reason is None and per_token:
         by_tier = {}
-        local = set(local) | set(getattr(counters, "unfit_keys", ()))  # computed: not transferred
+        local = set(local) | set(getattr(counters, "unfit_keys", ())) | set(getattr(counters, "lost_keys", ()))
         for seg in plan.hit_segments:
             if seg.key not in local:
                 by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token

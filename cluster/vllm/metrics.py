@@ -48,6 +48,7 @@ PROM_COUNTERS: dict[str, str] = {
     "computed_tokens": "tokens computed in every layer (prefix, separators, misses)",
     "load_wait_s": "seconds the blend engine waited for cached KV",
     "fallbacks": "requests computed by full prefill after a cache or blend failure",
+    "lost_segments": "hit chunks missing at their first read, computed instead (the request was blended without them)",
     "load_errors": "requests whose KV the connector could not produce (vLLM recomputed them)",
     "stored_chunks": "chunks stored",
     "stored_tokens": "tokens stored",

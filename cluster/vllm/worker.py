@@ -279,13 +279,14 @@ class KVBlendWorker:
                           selection_fallback=c.selection_fallback, probe_s=c.probe_s,
                           recomputed_tokens_per_layer=c.recomputed_tokens_per_layer,
                           load_wait_s=c.load_wait_s, compute_s=c.compute_s,
-                          full_prefill_reason=c.full_prefill_reason,
+                          full_prefill_reason=c.full_prefill_reason, lost_segments=c.lost_segments,
                           fallback=c.full_prefill_reason is not None)
         self._counters.bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,
                             reused_tokens=c.reused_tokens, selected_tokens=c.selected_tokens,
                             computed_tokens=c.computed_tokens, load_wait_s=c.load_wait_s,
                             query_selections=int(c.selection in QUERY_SELECTIONS and c.full_prefill_reason is None),
-                            selection_fallbacks=int(c.selection_fallback is not None), probe_s=c.probe_s)
+                            selection_fallbacks=int(c.selection_fallback is not None), probe_s=c.probe_s,
+                            lost_segments=c.lost_segments)
         if c.full_prefill_reason is not None:
             self._counters.bump(fallbacks=1)
         self._report_arena()

@@ -5,6 +5,7 @@ Tolerance: F32_TOL (see tests/factories.py) — same math, different summation o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -195,14 +196,33 @@ def test_recompute_actually_happens(make_setup, caplog):
     assert "reused=300" in caplog.text and "selected=45" in caplog.text
 
 
-def test_unreadable_chunk_falls_back_to_full_prefill(make_setup):
+@pytest.mark.parametrize("selection", ["k_deviation", "query_attention"])
+def test_a_chunk_lost_between_lookup_and_read_is_computed_not_the_whole_request(make_setup, selection):
+    """Found at lookup, gone at its first read (evicted, a shard restarted): the request is
+    blended again with that chunk computed, as if it had missed; the rest still reused."""
+    engine, client, chunks = _setup(make_setup)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6])
+    plan = plan_for(ids, spans, client, ratio=0.15, selection=selection)
+    lost = plan.hit_segments[1]
+    client.delete([lost.key])  # gone between lookup and fetch
+    res = engine.blend(plan)
+    c = res.counters
+    assert c.full_prefill_reason is None and c.lost_segments == 1 and c.lost_keys == (lost.key,)
+    assert c.num_hit_segments == len(plan.hit_segments) - 1 and c.reused_tokens > 0
+    as_miss = plan.recomputing([plan.segments.index(lost)])
+    assert_close(res.logits, engine.blend(as_miss).logits, **F32_TOL)  # the oracle of a miss
+    all_lost = engine.blend(dataclasses.replace(plan, recompute_ratios=(1.0,)))
+    assert_close(all_lost.logits, engine.prefill(ids).logits, **F32_TOL)  # ratio 1.0: full prefill
+
+
+def test_every_chunk_lost_is_full_prefill(make_setup):
     engine, client, chunks = _setup(make_setup)
     ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
     plan = plan_for(ids, spans, client, ratio=0.15)
-    client.delete([plan.hit_segments[1].key])  # gone between lookup and fetch
+    client.delete([s.key for s in plan.hit_segments])
     res = engine.blend(plan)
     c = res.counters
-    assert c.num_hit_segments == 0 and c.reused_tokens == 0
+    assert c.num_hit_segments == 0 and c.reused_tokens == 0 and c.lost_segments == 0
     assert "could not be read" in c.full_prefill_reason
     assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)
 
@@ -418,15 +438,26 @@ def test_blend_steps_closed_midway_cancels_and_engine_stays_usable(make_setup):
     assert torch.equal(engine.blend(plan).logits, whole.logits)
 
 
-def test_blend_steps_falls_back_midway(make_setup):
-    """A chunk gone between two steps: full prefill, its layers stepped from 0 again."""
+def test_blend_steps_blend_again_midway(make_setup):
+    """A chunk gone between two steps: blended again with it computed, its layers stepped from 0
+    again; every chunk gone: full prefill, the same way."""
     engine, client, chunks = _setup(make_setup)
     ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
     plan = plan_for(ids, spans, client, ratio=0.15)
+    as_miss = engine.blend(plan.recomputing([plan.segments.index(plan.hit_segments[0])]))
     steps = engine.blend_steps(plan)
     with torch.no_grad():
         first = next(steps)
     client.delete([plan.hit_segments[0].key])
+    rest, res = _step_all(steps)
+    assert first == 0 and res.counters.full_prefill_reason is None and res.counters.lost_segments == 1
+    assert rest[-engine.spec.num_layers:] == list(range(engine.spec.num_layers))
+    assert_close(res.logits, as_miss.logits, **F32_TOL)
+
+    steps = engine.blend_steps(plan)
+    with torch.no_grad():
+        first = next(steps)
+    client.delete([s.key for s in plan.hit_segments])
     rest, res = _step_all(steps)
     assert first == 0 and "could not be read" in res.counters.full_prefill_reason
     assert rest[-engine.spec.num_layers:] == list(range(engine.spec.num_layers))

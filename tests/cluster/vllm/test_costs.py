@@ -270,3 +270,6 @@ def test_chunks_the_gpu_tier_held_are_not_a_transfer_sample():
     assert some.blends[0][0] == {"host": 500 * KV_BYTES, "disk": 500 * KV_BYTES}
     none = samples_of(c, plan.blend_end, plan, KV_BYTES, local=set(hits))
     assert none.transfer == [] and none.blends == [] and none.compute == [(300.0, plan.blend_end, 0.02, "blend")]
+    # chunks the source could not hold, or had lost when read, were computed: no transfer either
+    c.unfit_keys, c.lost_keys = (hits[0],), (hits[2],)
+    assert samples_of(c, plan.blend_end, plan, KV_BYTES).transfer == [({"host": 500 * KV_BYTES}, 0.05, 0.01)]
