@@ -160,8 +160,8 @@ class BlendEngine:
 
         ``on_layer(layer_idx, kv)`` (kv ``[2, T, H, D]``) is called as soon as each layer's
         final KV is known. A hit chunk whose layer cannot be read (found at lookup, gone or
-        malformed since) is computed instead: the request is blended again with it as a miss
-        (``counters.lost_segments``; not with tensor parallelism, whose ranks would have to
+        malformed since) is computed instead: the request is blended again, once, with it as a
+        miss (``counters.lost_segments``; not with tensor parallelism, whose ranks would have to
         agree). If ``plan.full_prefill_reason`` is set, no hit would be left, or a whole layer
         cannot be fetched, the engine computes full prefill of ``[0, blend_end)`` instead and
         says so in the counters (``num_hit_segments=0``, ``reused_tokens=0``,
@@ -218,19 +218,24 @@ class BlendEngine:
                 result = yield from timed_steps(steps, spent, self._device_done)
                 counters.compute_s = spent[0] - counters.load_wait_s
                 counters.lost_segments, counters.lost_keys = len(lost), lost
+                if lost:  # the chunks were fetched twice: no clean transfer sample
+                    counters.transfer_s = 0.0
                 self._log(counters)
                 return result
             except _Fallback as e:
                 reason = str(e)
-                again = None if self.process_group is not None else recompute_lost(plan, e.lost)
-                if again is not None:  # blend again, the lost chunks computed (no rank to agree with)
+                # blend again once, the lost chunks computed (no rank to agree with; a second
+                # loss is full prefill: at most two blends' worth of load waits)
+                again = None if self.process_group is not None or lost else recompute_lost(plan, e.lost)
+                if again is not None:
                     log.info("%s: blending again with the lost chunk(s) computed", reason)
                     lost += tuple(s.key for s in plan.hit_segments if s.key in e.lost)
                     counters = BlendCounters(num_segments=len(chunks), load_wait_s=counters.load_wait_s,
                                              unfit_segments=counters.unfit_segments, unfit_keys=counters.unfit_keys)
                     plan, reason = again, None
         counters = BlendCounters(num_segments=len(chunks), computed_tokens=num_tokens,
-                                 load_wait_s=counters.load_wait_s, full_prefill_reason=reason)
+                                 load_wait_s=counters.load_wait_s, full_prefill_reason=reason,
+                                 lost_segments=len(lost), lost_keys=lost)
         steps = self._full(token_ids, want_logits, on_layer, counters)
         result = yield from timed_steps(steps, spent, self._device_done)
         counters.compute_s = spent[0] - counters.load_wait_s

@@ -154,9 +154,12 @@ def recompute_lost(plan: BlendPlan, lost_keys: tuple) -> BlendPlan | None:
     first read) computed instead of loaded; None when none is named or no hit would be left
     (then the request is full prefill)."""
     idx = [i for i, s in enumerate(plan.segments) if s.hit and s.key in lost_keys]
-    if not idx or len(idx) == len(plan.hit_segments):
+    if not idx:
         return None
-    return plan.recomputing(idx)
+    again = plan.recomputing(idx)
+    if not any(s.start < plan.blend_end for s in again.hit_segments):  # no hit left to blend
+        return None
+    return again
 
 
 def check_layer_batch(rows: RequestRows, got, spec: ModelSpec, layer_idx: int) -> str | None:

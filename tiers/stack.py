@@ -107,7 +107,7 @@ class TierStack(StackReads):
         self.counters = ReadCounters()
         self._stats = {"write_down_failures": 0, "writes_dropped": 0, "write_behind_hits": 0,
                        "promotions": 0, "corrupt_deleted": 0}
-        self._behind = WriteBehind(self._write_held, lambda *_: self._bump("writes_dropped"),
+        self._behind = WriteBehind(self._write_held, self._write_dropped, self._undo_write,
                                    max_workers, "tierstack-write")
         self.name = "stack"
 
@@ -223,14 +223,25 @@ class TierStack(StackReads):
             if not ok:
                 self._bump("write_down_failures")
 
+    def _write_dropped(self, pending: int, pending_bytes: int, first: bool) -> None:
+        self._bump("writes_dropped")
+        if first:
+            log.warning("tier stack: %d write-downs (%d bytes) pending, the bound: dropping new "
+                        "ones (top tier only; counted writes_dropped; warned once)", pending, pending_bytes)
+
+    def _undo_write(self, key: ChunkKey) -> None:
+        """A write-down that landed after its chunk was deleted: delete it there too."""
+        for tier in self.tiers:
+            if tier.name in self.write_down:
+                self._delete_from(tier, [key])
+
     def _restore(self, key: ChunkKey) -> None:
         """Put ``key`` back into the top tier from its pending write-down when the top evicted it
         before the write landed (it was in no tier): see :mod:`tiers.write_behind`."""
-        held = self._behind.held(key)
-        if held is None or self.tiers[0].contains([key])[0]:
+        if self._behind.held(key) is None or self.tiers[0].contains([key])[0]:
             return
-        obj, (header, _) = held
-        if self._put_tier(self.tiers[0], key, self._form(obj, key, header, True)):
+        top = self.tiers[0]
+        if self._behind.restore(key, lambda obj, forms: self._put_tier(top, key, self._form(obj, key, forms[0], True))):
             self._bump("write_behind_hits")
 
     def store(self, key: ChunkKey, obj: Buffer, names: Sequence[str], *,
@@ -280,6 +291,8 @@ class TierStack(StackReads):
         the key is (now) in the top tier."""
         futs: list[Future] = []
         top = self.tiers[0]
+        for key in keys:
+            self._restore(key)
         for key, present in zip(keys, top.contains(keys), strict=False):
             if present:
                 f: Future = Future()

@@ -101,6 +101,7 @@ class StackReads:
         return self._read_pool.submit(self._read_one, key, layer_idx, out)
 
     def _read_one(self, key: ChunkKey, layer_idx: int, out: Buffer | None) -> memoryview | None:
+        self._restore(key)
         if out is None:
             header = None
             for tier in self.tiers:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 
 from tiers.keys import ChunkKey
 from tiers.tier import Buffer
@@ -48,19 +48,26 @@ class WriteBehind:
             caller's, opaque here.
         on_drop: called (outside the lock) with ``(pending writes, pending bytes, first)``
             when a write is dropped at the bound; ``first`` for the first drop.
+        undo: ``undo(key)``, deletes ``key`` from the lower tiers: run when a write that was
+            already running when its chunk was deleted (:meth:`forget`) has landed.
         workers: threads for the writes (own threads: promotions never queue behind them).
         name: their thread name prefix.
 
     Thread-safe. The bounds are read at each :meth:`submit` from this module (tests lower them).
+    Deletes: the owner calls :meth:`forget` first, then deletes from its tiers; a put back
+    (:meth:`restore`) never runs beside a :meth:`forget`, so a deleted chunk does not come back.
     """
 
     def __init__(self, write: Callable[[ChunkKey, Buffer, object], None],
-                 on_drop: Callable[[int, int, bool], None], workers: int = 4,
-                 name: str = "kvblend-write-behind") -> None:
+                 on_drop: Callable[[int, int, bool], None], undo: Callable[[ChunkKey], None],
+                 workers: int = 4, name: str = "kvblend-write-behind") -> None:
         self._write = write
         self._on_drop = on_drop
+        self._undo = undo
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # a write's bookkeeping is done
+        self._restoring = threading.Lock()  # restore() against forget()
         self._futures: dict[Future, int] = {}  # pending write -> its object's bytes
         self._bytes = 0
         # key -> (object, header, token of its write): a re-put after forget() is another write
@@ -77,7 +84,7 @@ class WriteBehind:
 
         Returns:
             Whether a write of ``key`` is pending now (this one, or one queued before);
-            False when dropped at a bound.
+            False when dropped at a bound or after :meth:`close`.
         """
         nbytes = memoryview(obj).nbytes
         with self._lock:
@@ -91,7 +98,11 @@ class WriteBehind:
             else:
                 token = object()
                 self._held[key] = (obj, header, token)
-                fut = self._pool.submit(self._run, key, obj, header, token)
+                try:
+                    fut = self._pool.submit(self._run, key, obj, header, token)
+                except RuntimeError:  # closed: nothing is written any more
+                    del self._held[key]
+                    return False
                 self._futures[fut] = nbytes
                 self._bytes += nbytes
         if full:
@@ -106,6 +117,10 @@ class WriteBehind:
         if entry is None or entry[2] is not token:  # forgotten (deleted) before it ran
             return
         self._write(key, obj, header)
+        with self._lock:
+            forgotten = key not in self._held  # deleted while writing (a re-put is left alone)
+        if forgotten:
+            self._undo(key)
 
     def _done(self, fut: Future, key: ChunkKey, token: object) -> None:
         with self._lock:
@@ -113,6 +128,7 @@ class WriteBehind:
             entry = self._held.get(key)
             if entry is not None and entry[2] is token:
                 del self._held[key]
+            self._settled.notify_all()
         if not fut.cancelled() and fut.exception() is not None:  # a bug, not a tier fault
             log.error("write-down of %s failed", key, exc_info=fut.exception())
 
@@ -124,24 +140,38 @@ class WriteBehind:
             entry = self._held.get(key)
         return None if entry is None else entry[:2]
 
+    def restore(self, key: ChunkKey, put: Callable[[Buffer, object], bool]) -> bool:
+        """``put(object, header)`` of ``key``'s pending write (the owner puts it back into its
+        top tier), never beside a :meth:`forget`; whether there was one and ``put`` took it."""
+        with self._restoring:
+            held = self.held(key)
+            return held is not None and bool(put(*held))
+
     def keys(self) -> list[ChunkKey]:
         """Keys whose write is pending."""
         with self._lock:
             return list(self._held)
 
     def forget(self, keys) -> None:
-        """The chunks were deleted: no longer held, and a write of theirs that has not started
-        does not run (one already writing still lands; the caller deletes after this)."""
-        with self._lock:
+        """The chunks are being deleted: no longer held, a write of theirs that has not started
+        does not run, and one running now is undone when it lands. Waits for a
+        :meth:`restore` under way (the caller deletes from its tiers after this)."""
+        with self._restoring, self._lock:
             for key in keys:
                 self._held.pop(key, None)
 
-    def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the writes pending now; True when all finished."""
+    def drain(self, timeout_s: float | None) -> bool:
+        """Wait up to ``timeout_s`` (None: no limit) for the writes pending now and their
+        bookkeeping; True when all finished."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             pending = list(self._futures)
-        _, not_done = wait_futures(pending, timeout=timeout_s)
-        return not not_done
+            while any(f in self._futures for f in pending):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._settled.wait(left)
+        return True
 
     def close(self, wait: bool = True) -> None:
         """Stop taking writes (queued ones are cancelled); ``wait`` for the running ones.

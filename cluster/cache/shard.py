@@ -88,6 +88,8 @@ log = logging.getLogger("kvblend.shard")
 #: prefetched chunks remembered until served (only to count ``prefetch_hits``); beyond it the
 #: oldest is forgotten (a later read of it is then not counted as a prefetch hit)
 MAX_PREFETCHED = 65536
+
+
 class CacheShard:
     """The shard's state and methods; wrapped as a Ray actor by
     :func:`cluster.cache.lifecycle.start_shards`.
@@ -137,7 +139,8 @@ class CacheShard:
         self._lock = threading.Lock()
         self._promoting: dict[ChunkKey, Future] = {}
         self._prefetched: OrderedDict[ChunkKey, None] = OrderedDict()  # oldest first
-        self.writes = WriteBehind(self._write_down, self._writes_dropped, name="kvblend-shard-write")
+        self.writes = WriteBehind(self._write_down, self._writes_dropped, self._undo_write,
+                                  name="kvblend-shard-write")
         # lower-tier header reads of lookups: parallel, by lookup_timeout_s, breaker per tier
         self._lower_lookup = LowerLookup(tiers_config.lookup_timeout_s, self._count, name,
                                          metrics=self.metrics)
@@ -159,11 +162,10 @@ class CacheShard:
         from host memory before its write-down landed is put back from the pending write
         (``write_behind_hits``): it is in no tier for that window (:mod:`tiers.write_behind`)."""
         entry = self.host.get_object(key)
-        if entry is None:
-            held = self.writes.held(key)
-            if held is not None and self._store_host(key, held[0], held[1].header_end) is not None:
-                self._count("write_behind_hits")
-                entry = self.host.get_object(key)
+        if entry is None and self.writes.held(key) is not None and self.writes.restore(
+                key, lambda obj, header: self._store_host(key, obj, header.header_end) is not None):
+            self._count("write_behind_hits")
+            entry = self.host.get_object(key)
         return entry
 
     def _store_host(self, key: ChunkKey, obj, header_end: int) -> object | None:
@@ -228,6 +230,10 @@ class CacheShard:
         except (FormatError, ValueError) as e:
             log.debug("%s: write-down of %s failed: %s", self.name, key, e)
             self._count("write_errors")
+
+    def _undo_write(self, key: ChunkKey) -> None:
+        """A write-down that landed after its chunk was deleted: delete it below host memory too."""
+        self.lower_stack.delete([key])  # a failing tier is logged, never raised
 
     def _writes_dropped(self, pending: int, pending_bytes: int, first: bool) -> None:
         """:class:`WriteBehind`'s bound dropped a put's write-down: count it, warn once."""

@@ -53,9 +53,11 @@ STORE_WAIT_S = 60.0
 #: passages of the warm-up query (all ingested): enough for kvblend's warm-up to take the blend
 #: path, a short prompt for every engine (a 6-passage warm-up cost ~14 s of full prefill)
 WARMUP_PASSAGES = 2
-#: every engine's scheduler runs in its API server's process (vLLM's default spawns it a process
-#: of its own, which imports vLLM again): three engines started together in 38 s instead of 64 s
-#: on the 2-core machine (2026-12-06). All engines alike, so the baselines are served the same way.
+#: every engine computes in its engine-core process: with V1 multiprocessing off, vLLM's CPU
+#: platform keeps the uni executor, so the model worker is not a third process that imports
+#: vLLM again. Three engines started together in 38 s instead of 64 s on the 2-core machine
+#: (2026-12-06); the workers still bind their OpenMP threads to ``--cpus`` (full prefill's TTFT
+#: is unchanged, 13.8 s). All engines alike, so the baselines are served the same way.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 SYSTEM_PROMPT = ("You answer questions using the passages below. "
                  "Reply with the answer only, in at most five words.")

@@ -215,6 +215,24 @@ def test_a_chunk_lost_between_lookup_and_read_is_computed_not_the_whole_request(
     assert_close(all_lost.logits, engine.prefill(ids).logits, **F32_TOL)  # ratio 1.0: full prefill
 
 
+def test_a_second_loss_is_full_prefill(make_setup):
+    """Blended again once: a chunk lost in the second blend sends the request to full prefill."""
+    engine, client, chunks = _setup(make_setup, num_chunks=4)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
+    plan = plan_for(ids, spans, client, ratio=0.15)  # k_deviation: layer 0 computed, 1 read
+    a, b = plan.hit_segments[0].key, plan.hit_segments[1].key
+    client.delete([a])
+    steps = engine.blend_steps(plan)
+    with torch.no_grad():
+        assert [next(steps), next(steps)] == [0, 0]  # layer 1 lost a: blended again from 0
+    client.delete([b])
+    rest, res = _step_all(steps)
+    c = res.counters
+    assert "could not be read" in c.full_prefill_reason and c.lost_segments == 1 and c.lost_keys == (a,)
+    assert rest[-engine.spec.num_layers:] == list(range(engine.spec.num_layers))
+    assert_close(res.logits, engine.prefill(ids).logits, **F32_TOL)
+
+
 def test_every_chunk_lost_is_full_prefill(make_setup):
     engine, client, chunks = _setup(make_setup)
     ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5])
