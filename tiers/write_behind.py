@@ -84,7 +84,10 @@ class WriteBehind:
 
         Returns:
             Whether a write of ``key`` is pending now (this one, or one queued before);
-            False when dropped at a bound or after :meth:`close`.
+            False when dropped at a bound.
+
+        Raises:
+            RuntimeError: after :meth:`close` (as a closed executor does).
         """
         nbytes = memoryview(obj).nbytes
         with self._lock:
@@ -100,9 +103,9 @@ class WriteBehind:
                 self._held[key] = (obj, header, token)
                 try:
                     fut = self._pool.submit(self._run, key, obj, header, token)
-                except RuntimeError:  # closed: nothing is written any more
+                except RuntimeError:  # closed: the caller's mistake, and nothing stays held
                     del self._held[key]
-                    return False
+                    raise
                 self._futures[fut] = nbytes
                 self._bytes += nbytes
         if full:

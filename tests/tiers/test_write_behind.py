@@ -123,5 +123,6 @@ def test_after_close_nothing_is_taken_or_held():
     low = _Lower()
     wb = _behind(low)
     wb.close()
-    assert wb.submit(make_key(0), np.zeros(8, np.uint8), None) is False
+    with pytest.raises(RuntimeError):  # as a closed executor: the caller's mistake
+        wb.submit(make_key(0), np.zeros(8, np.uint8), None)
     assert wb.held(make_key(0)) is None and len(wb) == 0
