@@ -61,6 +61,7 @@ from blend.cost import kv_bytes_per_token
 from blend.ops import causal_attention
 from blend.plan import CHUNK, BlendPlan
 from blend.protocols import BlendModel, KVSource
+from blend.ranks import RankGroup
 from blend.result import BlendCounters, BlendResult
 from blend.rope import check_blendable, inv_freq_for
 from blend.rows import (
@@ -128,9 +129,7 @@ class BlendEngine:
         self.scale = float(getattr(model, "scale", self.spec.head_dim ** -0.5))
         self.process_group = process_group
         self.load_timeout_s = load_timeout_s
-        self._group_device = torch.device("cpu")
-        if process_group is not None and torch.distributed.get_backend(process_group) == "nccl":
-            self._group_device = model.device
+        self._ranks = RankGroup(process_group, model.device)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ public
@@ -298,23 +297,6 @@ class BlendEngine:
         logits = model.logits(hidden[-1:], residual[-1:])[0] if want_logits else None
         return BlendResult(kv_layers, logits, positions.clone(), counters)
 
-    def _sum_ranks(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the ranks of ``process_group`` (in place; ``x`` without one)."""
-        if self.process_group is not None:
-            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.SUM, group=self.process_group)
-        return x
-
-    def _all_ranks_ok(self, ok: bool) -> bool:
-        """Whether every rank of ``process_group`` read its layer (a fallback must be taken by
-        all ranks together, or their collectives would no longer match). One tiny
-        ``all_reduce`` per layer above the first check layer; on NCCL its ``int()`` waits for
-        the device (not yet measured: no two-GPU machine, issue 10)."""
-        if self.process_group is None:
-            return ok
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self._group_device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
-        return int(flag) == 0
-
     def _cached_layer(self, rows: RequestRows, pending: dict[int, Future], layer_idx: int,
                       counters: BlendCounters, num_rows: int | None = None) -> torch.Tensor:
         """Step 3 of :meth:`_blend`: this layer's KV buffer ``[2, T, H, D]`` (``num_rows``
@@ -335,7 +317,7 @@ class BlendEngine:
         got = layer_result(pending.pop(layer_idx, None), layer_idx, self.load_timeout_s)
         counters.load_wait_s += time.perf_counter() - t0
         why = check_layer_batch(rows, got, spec, layer_idx)
-        if not self._all_ranks_ok(why is None):
+        if not self._ranks.all_ok(why is None):
             raise _Fallback(why or f"layer {layer_idx} could not be read on another tensor-parallel rank",
                             unreadable_hits(rows, got, spec) if why else ())
         place_cached(kv, rows, got)
@@ -356,7 +338,7 @@ class BlendEngine:
         if rows.forced is not None:
             sel_local = cand_local[rows.forced[active[cand_local]]]
         else:
-            scores = self._sum_ranks(ops.deviation_of(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
+            scores = self._ranks.sum_(ops.deviation_of(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
                                                   active[cand_local]))  # [Rc], summed over the ranks
             if seed is not None:  # query_k_deviation: the probe's rows rank first
                 scores[torch.isin(active[cand_local], seed)] = float("inf")
@@ -404,7 +386,7 @@ class BlendEngine:
         probe_plan = dataclasses.replace(plan, recompute_ratios=(plan.recompute_ratios[0] / 2,)) if union else plan
         selected, probed = yield from qs.select_rows(
             self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
-            self._sum_ranks if self.process_group is not None else None)
+            self._ranks.sum_ if self.process_group is not None else None)
         if probed:
             counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
         counters.selected_tokens = int(selected.numel())
