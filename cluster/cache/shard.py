@@ -73,6 +73,7 @@ import numpy as np
 from cluster.cache.deadline import LowerLookup
 from cluster.cache.identity import claim_disk_dir, node_name
 from cluster.cache.metrics import ShardMetrics
+from cluster.cache.node_drain import drain_to_shared
 from cluster.env import configure_object_auth
 from tiers import write_behind
 from tiers.config import TiersConfig
@@ -380,40 +381,7 @@ class CacheShard:
         that the shared tiers (Redis, S3) lack into them, so other shards and clients still
         find it there (placement moves its keys to other shards; without shared tiers they
         become misses). Returns the number of chunks written; stops at ``timeout_s``."""
-        if not self.shared:
-            return 0
-        deadline = time.monotonic() + timeout_s
-        written = 0
-        local = [self.host] + ([self.disk] if self.disk is not None else [])
-        names = [t.name for t in self.shared]
-        seen: set[ChunkKey] = set()
-        for tier in local:
-            for key in tier.keys():
-                if key in seen or time.monotonic() > deadline:
-                    continue
-                seen.add(key)
-                if all(t.contains([key])[0] for t in self.shared):
-                    continue
-                if tier is self.host:
-                    entry = self.host.get_object(key)
-                    if entry is None:
-                        continue
-                    import ray
-
-                    obj = ray.get(entry[0])
-                else:
-                    obj = tier.get(key)
-                if obj is None:
-                    continue
-                try:
-                    header = validate_object(obj, key)
-                except FormatError:
-                    self._count("read_errors")
-                    continue
-                # lz4-encoded once, into the shared tiers lacking it
-                if all(self.lower_stack.store(key, obj, names, header=header).values()):
-                    written += 1
-        return written
+        return drain_to_shared(self, timeout_s)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is in any of this shard's tiers (no promotion)."""
