@@ -62,6 +62,9 @@ class BlendConfig:
     sink_tokens: int = _f(
         4, "query_attention, query_k_deviation: first tokens of every reused chunk always recomputed (inside the budget)",
         (0, 4096))
+    chunk_budget_power: float = _f(
+        0.0, "query_attention: 0 = one ranking of every reused token by the query's attention; > 0 = each reused chunk's "
+        "share of the recompute budget grows as (its share of the query's attention) to this power", (0.0, 64.0))
     min_tokens: int = _f(
         256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))
     cost_aware: bool = _f(

@@ -77,6 +77,8 @@ class BlendPlan:
         probe_layers: ``query_attention``: layers whose query attention is summed (empty:
             the engine's default for the model's depth).
         sink_tokens: ``query_attention``: leading tokens of every hit chunk always recomputed.
+        chunk_budget_power: ``query_attention``: 0, one ranking over every reused row; ``> 0``,
+            each hit chunk's share of the budget grows as its query mass to this power.
     """
 
     token_ids: tuple[int, ...]
@@ -90,6 +92,7 @@ class BlendPlan:
     selection: str = "k_deviation"
     probe_layers: tuple[int, ...] = ()
     sink_tokens: int = 0
+    chunk_budget_power: float = 0.0
 
     def __post_init__(self) -> None:
         pos = 0

@@ -120,8 +120,42 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     return mass
 
 
+def chunk_budget_scores(scores: torch.Tensor, chunk_of: torch.Tensor, chunk_first: torch.Tensor,
+                        power: float) -> torch.Tensor:
+    """Scores whose global top-``n`` gives each hit chunk a share of the budget proportional to
+    ``(its query mass) ** power``, spent on that chunk's highest-mass rows.
+
+    The 2026 query-aware papers also budget per chunk by the query's attention to each chunk
+    (the issue-38 idea "budgets per chunk"). A row of rank ``r`` (0 = most mass) inside chunk
+    ``c`` scores ``w_c / (r + 1)`` with ``w_c = (M_c / sum M) ** power``: a threshold ``θ`` on
+    that score keeps ``w_c / θ`` rows of every chunk, so the top-``n`` of the scores is the
+    per-chunk budget, with no host wait (two stable sorts on the device). ``power`` near 0
+    spreads the budget evenly over the chunks; large powers give it to the most-read chunk.
+
+    Args:
+        scores: ``[R]`` float32 query mass of each reused row.
+        chunk_of: ``[R]`` int64 index of the hit chunk holding each row, ascending (the rows
+            of one chunk are contiguous in ``reused_rows``).
+        chunk_first: ``[C]`` int64 index into ``[R]`` of each chunk's first row.
+        power: ``> 0``.
+
+    Returns:
+        ``[R]`` float32.
+    """
+    num_chunks = chunk_first.numel()
+    chunk_mass = torch.zeros(num_chunks, dtype=torch.float32, device=scores.device).index_add_(0, chunk_of, scores)
+    weight = (chunk_mass / chunk_mass.sum().clamp_min(1e-30)).clamp_min(1e-30) ** power  # [C]
+    by_mass = torch.sort(scores, descending=True, stable=True).indices
+    grouped = by_mass[torch.sort(chunk_of[by_mass], stable=True).indices]  # chunk asc, mass desc
+    rank = torch.empty_like(chunk_of)
+    rank[grouped] = torch.arange(grouped.numel(), device=scores.device) - chunk_first[chunk_of[grouped]]
+    return weight[chunk_of] / (rank + 1).to(torch.float32)
+
+
 def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_rows: torch.Tensor | None,
-                         ratio: float, num_reused: int, *, sink_mask: torch.Tensor | None = None) -> torch.Tensor:
+                         ratio: float, num_reused: int, *, sink_mask: torch.Tensor | None = None,
+                         chunk_of: torch.Tensor | None = None, chunk_first: torch.Tensor | None = None,
+                         chunk_power: float = 0.0) -> torch.Tensor:
     """The reused rows to recompute: sinks first, then the highest query mass, within the budget.
 
     Args:
@@ -133,6 +167,8 @@ def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_row
             them are sinks (built on the host: no device search, no wait).
         ratio: recompute ratio in ``[0, 1]``.
         num_reused: the count the ratio applies to (``R``).
+        chunk_of, chunk_first, chunk_power: with ``chunk_power > 0``, the budget is shared
+            out per hit chunk (:func:`chunk_budget_scores`); 0: one ranking over every row.
 
     Returns:
         ``[S]`` int64 rows, ascending, ``S = min(R, ceil(ratio * num_reused))``: sink rows
@@ -145,6 +181,8 @@ def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_row
     if budget == 0:
         return torch.zeros(0, dtype=torch.int64, device=reused_rows.device)
     scores = mass[reused_rows].to(torch.float32)
+    if chunk_power > 0 and chunk_of is not None and chunk_first is not None and chunk_first.numel():
+        scores = chunk_budget_scores(scores, chunk_of, chunk_first, chunk_power)
     is_sink = sink_mask
     if is_sink is None and sink_rows is not None and sink_rows.numel():
         is_sink = torch.isin(reused_rows, sink_rows.to(reused_rows.device))
@@ -159,6 +197,17 @@ def sink_rows_of(hits, sink_tokens: int, limit: int) -> torch.Tensor:
     """int64 rows ``[s.start, s.start + sink_tokens)`` of every hit segment, below ``limit``."""
     rows = [r for s in hits for r in range(s.start, min(s.end, s.start + sink_tokens)) if r < limit]
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def chunk_index(hits, reused_rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Host-side ``{"chunk_of": [R], "chunk_first": [C]}`` int64 for :func:`chunk_budget_scores`:
+    the hit segment (ascending, non-overlapping) holding each reused row, and the index of each
+    segment's first reused row (segments without one are dropped)."""
+    starts = torch.tensor([s.start for s in hits], dtype=torch.int64)
+    seg = torch.searchsorted(starts, reused_rows, right=True) - 1  # [R] segment index, >= 0
+    ids, counts = torch.unique_consecutive(seg, return_counts=True)
+    chunk_of = torch.repeat_interleave(torch.arange(ids.numel()), counts)
+    return {"chunk_of": chunk_of, "chunk_first": torch.cumsum(counts, 0) - counts}
 
 
 def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, num_query_rows: int,
@@ -274,9 +323,14 @@ def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tens
             missed[seg.start:min(seg.end, num_tokens)] = True
     missed &= ~is_reused
     sinks = sink_rows_of(rows.hits, plan.sink_tokens, num_tokens)
-    dev = to_device({"ids": torch.tensor(plan.token_ids[:end], dtype=torch.int64),
-                     "is_sink": torch.isin(torch.nonzero(rows.is_reused_host).flatten(), sinks)}, device)
+    reused_host = torch.nonzero(rows.is_reused_host).flatten()
+    host = {"ids": torch.tensor(plan.token_ids[:end], dtype=torch.int64), "is_sink": torch.isin(reused_host, sinks)}
+    if plan.chunk_budget_power > 0:
+        host.update(chunk_index(rows.hits, reused_host))
+    dev = to_device(host, device)
     layers = probe_layers_for(plan.probe_layers, model.spec.num_layers)
     mass, probed = yield from probe_query_mass(model, dev["ids"], is_reused, end - start, layers, cached_layer,
                                                scale, reduce, skip=missed)
-    return select_by_query_mass(mass, reused_rows, None, ratio, rows.num_reused, sink_mask=dev["is_sink"]), probed
+    return select_by_query_mass(mass, reused_rows, None, ratio, rows.num_reused, sink_mask=dev["is_sink"],
+                                chunk_of=dev.get("chunk_of"), chunk_first=dev.get("chunk_first"),
+                                chunk_power=plan.chunk_budget_power), probed

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-layers", default="", help="query_attention: probe layers (default: the engine's)")
     p.add_argument("--sink-tokens", type=int, default=None, help="query_attention: sink tokens per chunk "
                                                                 "(default: the blend config's)")
+    p.add_argument("--variant", nargs="+", action="append", metavar="NAME KEY=VALUE",
+                   help="run every query-aware selection also as <selection>+NAME@<ratio> with these blend-config "
+                        f"values ({', '.join(VARIANT_FIELDS)}; e.g. --variant cb1 chunk_budget_power=1); repeatable")
     p.add_argument("--separator", default=None, help="segment separator (default: blend config's)")
     p.add_argument("--plot", default="", metavar="PNG", help="only draw this PNG from --json (a machine "
                    "without matplotlib writes the JSON alone)")
@@ -137,16 +140,43 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _Mode:
-    """One row of the table: a selection at a ratio (``reuse``/``recompute_all`` are shared)."""
+    """One row of the table: a selection at a ratio (``reuse``/``recompute_all`` are shared),
+    with a variant's blend-config overrides (none: the run's config)."""
 
     name: str
     selection: str
     ratio: float
+    overrides: tuple[tuple[str, object], ...] = ()
 
 
-def _modes(ratios: list[float], selections: list[str]) -> list[_Mode]:
+#: Blend-config fields a ``--variant`` may set (query-aware knobs; the rest stay per run).
+VARIANT_FIELDS = ("probe_layers", "sink_tokens", "chunk_budget_power")
+
+
+def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """``NAME KEY=VALUE ...`` (one ``--variant``) as ``(name, ((field, value), ...))``:
+    ``probe_layers=8,11,15``, ``sink_tokens=8``, ``chunk_budget_power=1.5``.
+
+    Raises:
+        ValueError: no name, a key not in :data:`VARIANT_FIELDS`, or a value of the wrong type.
+    """
+    if not words or "=" in words[0]:
+        raise ValueError(f"--variant {' '.join(words)!r}: give a name, then KEY=VALUE pairs")
+    out = []
+    for word in words[1:]:
+        key, _, value = word.partition("=")
+        if key not in VARIANT_FIELDS:
+            raise ValueError(f"--variant {words[0]}: {key!r} is not one of {', '.join(VARIANT_FIELDS)}")
+        out.append((key, _ints(value, key) if key == "probe_layers" else
+                    int(value) if key == "sink_tokens" else _floats(value, key)[0]))
+    return words[0], tuple(out)
+
+
+def _modes(ratios: list[float], selections: list[str],
+           variants: list[tuple[str, tuple]] | None = None) -> list[_Mode]:
     """``reuse`` for ratio 0, ``recompute_all`` for ratio 1, ``<selection>@<ratio>`` between
-    (nothing to rank at 0 or 1: every selection gives the same rows there)."""
+    (nothing to rank at 0 or 1: every selection gives the same rows there). With ``variants``,
+    every query-aware selection runs once per variant, named ``<selection>+<variant>@<ratio>``."""
     modes = []
     for r in ratios:
         if r == 0.0:
@@ -154,7 +184,11 @@ def _modes(ratios: list[float], selections: list[str]) -> list[_Mode]:
         elif r == 1.0:
             modes.append(_Mode("recompute_all", "k_deviation", 1.0))
         else:
-            modes += [_Mode(f"{sel}@{r:g}", sel, r) for sel in selections]
+            for sel in selections:
+                if variants and sel.startswith("query_"):
+                    modes += [_Mode(f"{sel}+{name}@{r:g}", sel, r, over) for name, over in variants]
+                else:
+                    modes.append(_Mode(f"{sel}@{r:g}", sel, r))
     return modes
 
 
@@ -179,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         parse_rows(args.rows)  # a malformed slice fails before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = _modes(ratios, selections)
+    modes = _modes(ratios, selections, [parse_variant(v) for v in args.variant or ()])
     bench = _Bench(args, check_layers)
     summaries: dict[str, dict] = {}
     warmed, last_write = False, time.monotonic()
@@ -268,8 +302,9 @@ class _Bench:
         _close(self.tier)
         self._tmp.cleanup()
 
-    def plan_for(self, ids, spans, ratio: float, selection: str):
-        """The planner's plan, as the connector makes it, for one mode."""
+    def plan_for(self, ids, spans, ratio: float, selection: str, overrides: tuple = ()):
+        """The planner's plan, as the connector makes it, for one mode (``overrides``: a
+        variant's ``(field, value)`` pairs over the run's config)."""
         import dataclasses
 
         from blend.planner import make_plan
@@ -279,6 +314,7 @@ class _Bench:
         cfg = dataclasses.replace(self.config, blend_separator=self.separator, check_layers=self.check_layers,
                                   recompute_ratios=(ratio,), recompute_thresholds=(), min_tokens=0,
                                   selection=selection, probe_layers=probe, sink_tokens=sinks)
+        cfg = dataclasses.replace(cfg, **dict(overrides))
         return make_plan(ids, spans, self.namespace, self.source, cfg, query_to_engine=True)
 
     def sync(self) -> None:
@@ -344,7 +380,7 @@ class _Bench:
         torch, model = self.torch, self.model
         self.sync()
         t0 = time.perf_counter()
-        plan = self.plan_for(ids, spans, mode.ratio, mode.selection)
+        plan = self.plan_for(ids, spans, mode.ratio, mode.selection, mode.overrides)
         res = self.engine.blend(plan)
         self.sync()
         ttft = time.perf_counter() - t0
@@ -375,7 +411,8 @@ def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[d
         "threads": bench.torch.get_num_threads(), "device": str(bench.device), "check_layers": list(check_layers),
         "separator": bench.separator, "probe_layers": args.probe_layers or list(bench.config.probe_layers),
         "sink_tokens": bench.config.sink_tokens if args.sink_tokens is None else args.sink_tokens,
-        "modes": {m.name: {"selection": m.selection, "ratio": m.ratio} for m in modes},
+        "chunk_budget_power": bench.config.chunk_budget_power,
+        "modes": {m.name: {"selection": m.selection, "ratio": m.ratio} | dict(m.overrides) for m in modes},
         "tiers": bench.tiers_used, "max_passages": args.max_passages or None,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
         "prompt_format": PREFIX + " ⟨sep⟩ passage ... ⟨sep⟩ " + QUERY,

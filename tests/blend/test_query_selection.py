@@ -9,6 +9,8 @@ from torch.testing import assert_close
 
 from blend.config import SELECTIONS
 from blend.query_selection import (
+    chunk_budget_scores,
+    chunk_index,
     default_probe_layers,
     probe_layers_for,
     query_attention_mass,
@@ -79,6 +81,54 @@ def test_selection_keeps_sinks_and_the_budget():
     got = select_by_query_mass(mass, reused, torch.tensor([1, 2, 4, 8]), ratio=0.25, num_reused=8)
     assert got.tolist() == [4, 8]
     assert select_by_query_mass(mass, reused, sinks, ratio=0.0, num_reused=8).numel() == 0
+
+
+def _per_chunk(rows, bounds):
+    return [sum(a <= r < b for r in rows) for a, b in bounds]
+
+
+def test_chunk_budget_shares_the_budget_by_each_chunks_query_mass():
+    """Three chunks of 10 rows with query mass 6 : 3 : 1 (power 1): a budget of 10 goes 6 / 3 / 1,
+    each chunk's share to its own highest-mass rows; a large power gives the most-read chunk
+    all it holds first; the budget holds and sinks still come first."""
+    torch.manual_seed(0)
+    bounds = [(10, 20), (20, 30), (30, 40)]
+    mass = torch.zeros(45)
+    for (a, b), total in zip(bounds, (6.0, 3.0, 1.0), strict=True):
+        w = torch.rand(b - a) + 0.1
+        mass[a:b] = w / w.sum() * total
+    reused = torch.arange(10, 40)
+    idx = chunk_index([type("S", (), {"start": a})() for a, _ in bounds], reused)
+    assert idx["chunk_first"].tolist() == [0, 10, 20] and idx["chunk_of"].tolist() == [0] * 10 + [1] * 10 + [2] * 10
+
+    def pick(power, ratio=1 / 3, sinks=None):
+        return select_by_query_mass(mass, reused, sinks, ratio=ratio, num_reused=30, chunk_power=power, **idx).tolist()
+
+    got = pick(1.0)
+    assert _per_chunk(got, bounds) == [6, 3, 1]
+    for (a, b), n in zip(bounds, (6, 3, 1), strict=True):  # each chunk's own top rows
+        assert set(r for r in got if a <= r < b) == set((torch.topk(mass[a:b], n).indices + a).tolist())
+    assert _per_chunk(pick(8.0), bounds) == [10, 0, 0]
+    assert _per_chunk(pick(1e-3), bounds) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])  # even
+    assert len(pick(1.0, ratio=0.5)) == 15
+    got = pick(8.0, sinks=torch.tensor([20, 30]))
+    assert {20, 30} <= set(got) and _per_chunk(got, bounds) == [8, 1, 1]
+    assert pick(0.0) == select_by_query_mass(mass, reused, None, ratio=1 / 3, num_reused=30).tolist()
+    scores = chunk_budget_scores(mass[reused], idx["chunk_of"], idx["chunk_first"], 1.0)
+    assert scores.shape == (30,) and bool(torch.isfinite(scores).all())
+
+
+@pytest.mark.parametrize("power", [0.5, 2.0])
+def test_chunk_budget_holds_the_budget_and_ratio_one_is_full_prefill(make_setup, power):
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+    res = engine.blend(plan_for(ids, spans, client, ratio=0.15, selection="query_attention", chunk_budget_power=power))
+    assert res.counters.selected_tokens == num_to_select(res.counters.reused_tokens, 0.15)
+    res = engine.blend(plan_for(ids, spans, client, ratio=1.0, selection="query_attention", chunk_budget_power=power))
+    full = engine.prefill(ids)
+    for got, want in zip(res.kv, full.kv, strict=True):
+        assert_close(got, want, **F32_TOL)
+    assert_close(res.logits, full.logits, **F32_TOL)
 
 
 def test_default_probe_layers_follow_depth():

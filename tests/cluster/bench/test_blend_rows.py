@@ -64,3 +64,18 @@ def test_a_checkpoint_writes_the_rows_whole_and_a_failed_one_does_not_stop_the_r
     with caplog.at_level("WARNING"):
         assert not checkpoint(str(blocked / "out.json"), {"musique": {}})  # a file where a folder must be
     assert "checkpoint" in caplog.text and json.loads(path.read_text())["datasets"]["musique"]["examples"]
+
+
+def test_variants_run_each_query_selection_once_per_variant():
+    from cluster.bench.blend import _modes, parse_variant
+
+    variants = [parse_variant(["base"]), parse_variant(["cb2", "chunk_budget_power=2", "probe_layers=4,8"])]
+    modes = _modes([0.0, 0.15, 1.0], ["k_deviation", "query_attention"], variants)
+    assert [m.name for m in modes] == ["reuse", "k_deviation@0.15", "query_attention+base@0.15",
+                                       "query_attention+cb2@0.15", "recompute_all"]
+    assert modes[3].overrides == (("chunk_budget_power", 2.0), ("probe_layers", (4, 8)))
+    assert modes[2].overrides == () and modes[1].overrides == ()
+    assert parse_variant(["s8", "sink_tokens=8"]) == ("s8", (("sink_tokens", 8),))
+    for bad in (["chunk_budget_power=2"], ["x", "check_layers=1"], ["x", "sink_tokens=a"], []):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
