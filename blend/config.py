@@ -65,6 +65,9 @@ class BlendConfig:
     chunk_budget_power: float = _f(
         0.0, "query_attention: 0 = one ranking of every reused token by the query's attention; > 0 = each reused chunk's "
         "share of the recompute budget grows as (its share of the query's attention) to this power", (0.0, 64.0))
+    query_funnel: float = _f(
+        1.0, "query_attention: 1 = the probe's choice is final; > 1 = the probe picks this many times the budget, "
+        "and at the first check layer the reused tokens with the highest K deviation keep the budget", (1.0, 20.0))
     min_tokens: int = _f(
         256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))
     cost_aware: bool = _f(

@@ -384,6 +384,9 @@ class BlendEngine:
         t0, waited = time.perf_counter(), counters.load_wait_s
         union = plan.selection == "query_k_deviation"
         probe_plan = dataclasses.replace(plan, recompute_ratios=(plan.recompute_ratios[0] / 2,)) if union else plan
+        if qs.funnel(plan):  # over-select; the check layer keeps the budget
+            probe_plan = dataclasses.replace(plan, recompute_ratios=(min(1.0, plan.recompute_ratios[0]
+                                                                         * plan.query_funnel),))
         selected, probed = yield from qs.select_rows(
             self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
             self._ranks.sum_ if self.process_group is not None else None)
@@ -412,6 +415,9 @@ class BlendEngine:
             first_check = 0
             if plan.selection == "query_attention":
                 check_layers, last_check = [], -1
+                if qs.funnel(plan):  # the probe's rows cut to the budget by K deviation at one layer
+                    check_layers = last_check = plan.check_layers[0]
+                    check_layers = [check_layers]
         # {layer: future}, every layer from the first check layer up at once (CacheBlend §5)
         pending = start_fetch(self.source, rows, range(first_check, self.spec.num_layers), counters)
         active = positions  # [A] rows computed in this layer, ascending
@@ -421,6 +427,8 @@ class BlendEngine:
         try:
             if by_query:
                 active, probed, seed = yield from self._select_by_query(plan, rows, pending, positions, counters)
+                if check_layers and plan.selection == "query_attention":  # funnel: the sinks stay
+                    seed = qs.sink_rows_of(rows.hits, plan.sink_tokens, num_tokens).to(model.device)
             hidden, residual = model.embed(ids if active is positions else ids[active]), None  # [A, E]
             for layer_idx in range(self.spec.num_layers):
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,

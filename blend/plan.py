@@ -79,6 +79,9 @@ class BlendPlan:
         sink_tokens: ``query_attention``: leading tokens of every hit chunk always recomputed.
         chunk_budget_power: ``query_attention``: 0, one ranking over every reused row; ``> 0``,
             each hit chunk's share of the budget grows as its query mass to this power.
+        query_funnel: ``query_attention``: 1, the probe's rows are final; ``> 1``, the probe
+            picks this many times the budget and the first check layer keeps the budget by K
+            deviation (:func:`blend.query_selection.funnel`).
     """
 
     token_ids: tuple[int, ...]
@@ -93,6 +96,7 @@ class BlendPlan:
     probe_layers: tuple[int, ...] = ()
     sink_tokens: int = 0
     chunk_budget_power: float = 0.0
+    query_funnel: float = 1.0
 
     def __post_init__(self) -> None:
         pos = 0

@@ -193,6 +193,17 @@ def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_row
     return reused_rows[top].sort().values
 
 
+def funnel(plan) -> bool:
+    """Whether ``plan`` is ``query_attention`` with ``query_funnel > 1``: the probe picks
+    ``query_funnel`` times the budget (sinks included), those rows are computed up to the first
+    check layer, and there the reused ones with the highest K deviation (fresh K against the
+    cached, re-rotated K: CacheBlend §4.2's score) keep the budget, sinks first. CacheBlend
+    filters gradually too (§4.3: a larger set at the first layers, cut at later ones); here the
+    first cut is the query's attention, and the deviation drops the rows it reads whose cached
+    KV is already right (the issue-38 idea of re-ranking after a partial recompute)."""
+    return plan.selection == "query_attention" and plan.query_funnel > 1.0
+
+
 def sink_rows_of(hits, sink_tokens: int, limit: int) -> torch.Tensor:
     """int64 rows ``[s.start, s.start + sink_tokens)`` of every hit segment, below ``limit``."""
     rows = [r for s in hits for r in range(s.start, min(s.end, s.start + sink_tokens)) if r < limit]

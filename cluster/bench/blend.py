@@ -150,12 +150,13 @@ class _Mode:
 
 
 #: Blend-config fields a ``--variant`` may set (query-aware knobs; the rest stay per run).
-VARIANT_FIELDS = ("probe_layers", "sink_tokens", "chunk_budget_power")
+VARIANT_FIELDS = ("probe_layers", "sink_tokens", "chunk_budget_power", "query_funnel", "check_layers")
 
 
 def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]]:
     """``NAME KEY=VALUE ...`` (one ``--variant``) as ``(name, ((field, value), ...))``:
-    ``probe_layers=8,11,15``, ``sink_tokens=8``, ``chunk_budget_power=1.5``.
+    ``probe_layers=8,11,15``, ``sink_tokens=8``, ``chunk_budget_power=1.5``, ``query_funnel=2``,
+    ``check_layers=4``.
 
     Raises:
         ValueError: no name, a key not in :data:`VARIANT_FIELDS`, or a value of the wrong type.
@@ -167,7 +168,7 @@ def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]
         key, _, value = word.partition("=")
         if key not in VARIANT_FIELDS:
             raise ValueError(f"--variant {words[0]}: {key!r} is not one of {', '.join(VARIANT_FIELDS)}")
-        out.append((key, _ints(value, key) if key == "probe_layers" else
+        out.append((key, _ints(value, key) if key in ("probe_layers", "check_layers") else
                     int(value) if key == "sink_tokens" else _floats(value, key)[0]))
     return words[0], tuple(out)
 

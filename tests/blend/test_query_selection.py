@@ -131,6 +131,45 @@ def test_chunk_budget_holds_the_budget_and_ratio_one_is_full_prefill(make_setup,
     assert_close(res.logits, full.logits, **F32_TOL)
 
 
+@pytest.mark.parametrize("ratio, funnel, check", [(0.15, 2.0, 1), (0.3, 3.0, 2), (0.15, 20.0, 1)])
+def test_funnel_keeps_the_budget_from_the_probes_larger_set(make_setup, ratio, funnel, check):
+    """``query_funnel``: the probe picks ``funnel`` x the budget (those rows are computed up to
+    the check layer), the check layer keeps the budget, sinks first and the rest by K deviation;
+    the kept rows are among the probe's; funnel 1 is plain ``query_attention``."""
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+
+    def blend(r, f, **kw):
+        res = engine.blend(plan_for(ids, spans, client, ratio=r, selection="query_attention", sink_tokens=2,
+                                    query_funnel=f, check_layers=(check,), **kw))
+        assert res.counters.selection == "query_attention" and res.counters.full_prefill_reason is None
+        return res
+
+    res = blend(ratio, funnel)
+    c, num_layers = res.counters, engine.spec.num_layers
+    budget, wide = num_to_select(c.reused_tokens, ratio), num_to_select(c.reused_tokens, min(1.0, ratio * funnel))
+    assert c.selected_tokens == budget
+    assert c.recomputed_tokens_per_layer == ([c.computed_tokens + wide] * (check + 1)
+                                             + [c.computed_tokens + budget] * (num_layers - check - 1))
+    kept = set(res.recompute_idx.tolist())
+    assert kept < set(blend(min(1.0, ratio * funnel), 1.0).recompute_idx.tolist())
+    sinks = {s + i for _, s, e in [x for x in spans if x[0] == "chunk"] for i in range(2)}
+    assert sinks <= kept
+    plain = blend(ratio, 1.0)
+    assert set(plain.recompute_idx.tolist()) != kept or funnel * ratio >= 1.0
+    assert torch.equal(plain.recompute_idx, blend(ratio, 1.0).recompute_idx)
+
+
+def test_funnel_at_ratio_one_is_full_prefill(make_setup):
+    engine, client, chunks = _setup(make_setup, num_chunks=3, chunk_len=24)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9])
+    res = engine.blend(plan_for(ids, spans, client, ratio=1.0, selection="query_attention", query_funnel=2.0))
+    full = engine.prefill(ids)
+    for got, want in zip(res.kv, full.kv, strict=True):
+        assert_close(got, want, **F32_TOL)
+    assert_close(res.logits, full.logits, **F32_TOL)
+
+
 def test_default_probe_layers_follow_depth():
     assert default_probe_layers(30) == (8, 11, 15)
     assert default_probe_layers(4) == (1, 2)

@@ -76,6 +76,6 @@ def test_variants_run_each_query_selection_once_per_variant():
     assert modes[3].overrides == (("chunk_budget_power", 2.0), ("probe_layers", (4, 8)))
     assert modes[2].overrides == () and modes[1].overrides == ()
     assert parse_variant(["s8", "sink_tokens=8"]) == ("s8", (("sink_tokens", 8),))
-    for bad in (["chunk_budget_power=2"], ["x", "check_layers=1"], ["x", "sink_tokens=a"], []):
+    for bad in (["chunk_budget_power=2"], ["x", "selection=k_deviation"], ["x", "sink_tokens=a"], []):
         with pytest.raises(ValueError):
             parse_variant(bad)
