@@ -170,14 +170,19 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
             forced.add(first)
     order = [h for h in order if h[0] in forced] + [h for h in order if h[0] not in forced]
 
-    # CacheBlend's deviation selections compute every row up to the first check layer
-    whole = 0 if plan.selection == "query_attention" else min(num_layers, plan.check_layers[0] + 1)
+    # CacheBlend's deviation selections compute every row up to the first check layer; the
+    # query funnel computes its wider set there (query_selection.funnel)
+    below = min(num_layers, plan.check_layers[0] + 1)
+    whole = 0 if plan.selection == "query_attention" else below
+    wide = min(1.0, ratio * plan.query_funnel) if plan.selection == "query_attention" and plan.query_funnel > 1 else 0.0
+    narrow = below if wide else 0
 
     overlap, factor = estimates.overlap, max(1.0, estimates.row_factor)
 
     def mean_rows(tokens: int) -> float:
         rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens)
-        return (whole * keys + (num_layers - whole) * rows) / max(1, num_layers)  # mean rows per layer
+        wide_rows = base_rows + (hit_tokens - tokens) + math.ceil(wide * tokens - 1e-9)  # as num_to_select
+        return (whole * keys + narrow * wide_rows + (num_layers - whole - narrow) * rows) / max(1, num_layers)
 
     all_rows = mean_rows(hit_tokens)
     all_compute = estimates.compute_s(all_rows, keys)

@@ -196,3 +196,23 @@ def test_the_rows_a_partial_plan_adds_are_priced_at_a_blends_cost_per_row():
     dear = choose(plan, Scripted({"host": 10.0, "disk": 1e-4}, row_factor=4.0), kv_bytes_per_token=KV_BYTES,
                   num_layers=4)
     assert dear.full_prefill and dear.always_load_s == pytest.approx(cheap.always_load_s)
+
+
+def test_the_query_funnels_wider_rows_below_the_check_layer_are_priced():
+    """``query_attention`` computes its budget in every layer; with ``query_funnel`` F the layers
+    up to the first check layer compute F x the budget: loading every hit costs that much more
+    compute (host at 10 GB/s: compute-bound), and F large enough that the set is every row is
+    priced as the deviation selections' every-row layers."""
+    fast = Scripted({"host": 10.0})
+    base = dataclasses.replace(_plan(["host"] * 4, tokens=250, ratio=0.1), selection="query_attention")
+
+    def load_s(plan):
+        return choose(plan, fast, kv_bytes_per_token=KV_BYTES, num_layers=4).always_load_s
+
+    fill = 1e6 / 10e9 / 4  # the pipeline's first layer of transfer (1000 tokens at 10 GB/s)
+    assert load_s(base) == pytest.approx(1e-3 * (10 + 100) + fill)  # the prefix + 10% of 1000, every layer
+    funnel = load_s(dataclasses.replace(base, query_funnel=3.0))  # layers 0-1 at 3x the budget
+    assert funnel == pytest.approx(1e-3 * (2 * (10 + 300) + 2 * (10 + 100)) / 4 + fill)
+    every = load_s(dataclasses.replace(base, query_funnel=20.0))
+    deviation = load_s(dataclasses.replace(base, selection="k_deviation"))
+    assert every == pytest.approx(deviation)
