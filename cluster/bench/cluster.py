@@ -44,6 +44,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from cluster.env import configure_object_auth
+
 NUM_SEGMENTS = 16
 NAMESPACE = "b" * 16
 
@@ -135,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     root = tempfile.mkdtemp(prefix="kvblend-bench-cluster-")
     node_args = {"num_cpus": 1, "resources": {"kvblend_shard": 1},
                  "object_store_memory": int(store_gib * 2**30)}
+    # the shards this starts sign and check chunk objects with the key this environment names
+    # (~/.kvblend/object_key once `kvblend server` made one): so must this process
+    configure_object_auth(dict(os.environ))
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     results = []
     try:

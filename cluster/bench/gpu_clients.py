@@ -39,10 +39,13 @@ process (here one process looks up and loads), and a network (one node).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import statistics
 import tempfile
 import time
+
+from cluster.env import configure_object_auth
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,9 @@ def run_clients(args, lengths: list[int]) -> dict:
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "resources": {"kvblend_shard": 1}, "object_store_memory": store,
         "include_dashboard": False})
+    # the shards this starts sign and check chunk objects with the key this environment names
+    # (~/.kvblend/object_key once `kvblend server` made one): so must this process
+    configure_object_auth(dict(os.environ))
     clients: dict = {}
     try:
         ray.init(address=cluster.address, namespace="kvblend-bench", log_to_driver=False)
