@@ -134,25 +134,30 @@ def plot(summaries: dict, modes: list, selections: list[str], path: str) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def line_of(m) -> str:  # a line per selection, and per variant of one (<selection>+<variant>)
+        return m.name.rsplit("@", 1)[0] if "+" in m.name else m.selection
+
+    blended = [m for m in modes if m.name not in ("reuse", "recompute_all")]
+    lines = list(dict.fromkeys([line_of(m) for m in blended if m.selection in selections]))
     fig, axes = plt.subplots(2, len(summaries), figsize=(5.5 * len(summaries), 8), squeeze=False)
     for col, (dataset, summary) in enumerate(summaries.items()):
         for row, key in enumerate(("gap_recovered", "agreement")):
             ax = axes[row][col]
-            for sel in selections:
-                pts = [m for m in modes if m.selection == sel or m.name in ("reuse", "recompute_all")]
+            for sel in lines:
+                pts = [m for m in modes if line_of(m) == sel or m.name in ("reuse", "recompute_all")]
                 pts = sorted(pts, key=lambda m: m.ratio)
                 xs = [summary[m.name]["ttft_ratio"] for m in pts]
                 ys = [summary[m.name][key] for m in pts]
                 ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=sel)
                 for m, x, y in zip(pts, xs, ys, strict=True):
-                    if y is not None and sel == selections[0]:
+                    if y is not None and sel == lines[0]:
                         ax.annotate(f"{m.ratio:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, -9))
             ax.set_xlabel("TTFT / full prefill (median)")
             ax.set_ylabel(key.replace("_", " "))
             ax.set_title(f"{dataset}, N={summary['meta']['num_examples']}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle("kvblend bench blend: quality against TTFT\nper selection (labels: recompute ratio)")
+    fig.suptitle("kvblend bench blend: quality against TTFT\nper selection and variant (labels: recompute ratio)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
