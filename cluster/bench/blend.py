@@ -44,6 +44,16 @@ import time
 from dataclasses import dataclass
 
 from cluster.bench import blend_report as report
+from cluster.bench.blend_modes import (
+    VARIANT_FIELDS,
+    Mode,
+    float_list,
+    int_tuple,
+    load_rows,
+    modes_of,
+    parse_rows,
+    parse_variant,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,112 +97,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cuda reads the tiers through the worker's staged source)")
 
 
-def _floats(text: str, name: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{name}={text!r}: expected comma-separated numbers") from None
-    if not vals:
-        raise ValueError(f"--{name}={text!r}: give at least one value")
-    return vals
-
-
-def parse_rows(text: str) -> tuple[int, int]:
-    """``"A:B"`` -> ``(A, B)``: rows ``A <= i < B`` (0-based).
-
-    Raises:
-        ValueError: not two integers with ``0 <= A < B``.
-    """
-    parts = text.split(":")
-    try:
-        start, stop = (int(x) for x in parts)
-    except ValueError:
-        raise ValueError(f"--rows={text!r}: expected A:B, two integers (e.g. 20:150)") from None
-    if not 0 <= start < stop:
-        raise ValueError(f"--rows={text!r}: need 0 <= A < B")
-    return start, stop
-
-
-def load_rows(dataset: str, rows: str, num_examples: int) -> list:
-    """Rows ``A..B-1`` of ``dataset`` for ``rows`` = ``"A:B"`` (:func:`parse_rows`), else its
-    first ``num_examples`` rows, as :class:`cluster.workloads.qa.QAExample`.
-
-    Raises:
-        ValueError: a malformed slice, or one reaching past the dataset's last row.
-    """
-    from cluster.workloads.qa import load_examples, resolve_dataset
-
-    if not rows:
-        return load_examples(resolve_dataset(dataset), limit=num_examples)
-    start, stop = parse_rows(rows)
-    examples = load_examples(resolve_dataset(dataset), limit=stop)
-    if len(examples) < stop:
-        raise ValueError(f"--rows={rows}: {dataset} has {len(examples)} rows")
-    return examples[start:stop]
-
-
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--{name}={text!r}: expected comma-separated integers") from None
-
-
-@dataclass(frozen=True)
-class _Mode:
-    """One row of the table: a selection at a ratio (``reuse``/``recompute_all`` are shared),
-    with a variant's blend-config overrides (none: the run's config)."""
-
-    name: str
-    selection: str
-    ratio: float
-    overrides: tuple[tuple[str, object], ...] = ()
-
-
-#: Blend-config fields a ``--variant`` may set (query-aware knobs; the rest stay per run).
-VARIANT_FIELDS = ("probe_layers", "sink_tokens", "chunk_budget_power", "query_funnel", "check_layers")
-
-
-def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]]:
-    """``NAME KEY=VALUE ...`` (one ``--variant``) as ``(name, ((field, value), ...))``:
-    ``probe_layers=8,11,15``, ``sink_tokens=8``, ``chunk_budget_power=1.5``, ``query_funnel=2``,
-    ``check_layers=4``.
-
-    Raises:
-        ValueError: no name, a key not in :data:`VARIANT_FIELDS`, or a value of the wrong type.
-    """
-    if not words or "=" in words[0]:
-        raise ValueError(f"--variant {' '.join(words)!r}: give a name, then KEY=VALUE pairs")
-    out = []
-    for word in words[1:]:
-        key, _, value = word.partition("=")
-        if key not in VARIANT_FIELDS:
-            raise ValueError(f"--variant {words[0]}: {key!r} is not one of {', '.join(VARIANT_FIELDS)}")
-        out.append((key, _ints(value, key) if key in ("probe_layers", "check_layers") else
-                    int(value) if key == "sink_tokens" else _floats(value, key)[0]))
-    return words[0], tuple(out)
-
-
-def _modes(ratios: list[float], selections: list[str],
-           variants: list[tuple[str, tuple]] | None = None) -> list[_Mode]:
-    """``reuse`` for ratio 0, ``recompute_all`` for ratio 1, ``<selection>@<ratio>`` between
-    (nothing to rank at 0 or 1: every selection gives the same rows there). With ``variants``,
-    every query-aware selection runs once per variant, named ``<selection>+<variant>@<ratio>``."""
-    modes = []
-    for r in ratios:
-        if r == 0.0:
-            modes.append(_Mode("reuse", "k_deviation", 0.0))
-        elif r == 1.0:
-            modes.append(_Mode("recompute_all", "k_deviation", 1.0))
-        else:
-            for sel in selections:
-                if variants and sel.startswith("query_"):
-                    modes += [_Mode(f"{sel}+{name}@{r:g}", sel, r, over) for name, over in variants]
-                else:
-                    modes.append(_Mode(f"{sel}@{r:g}", sel, r))
-    return modes
-
-
 def run(args: argparse.Namespace) -> int:
     """The benchmark: set up once, then per dataset and example store its passages, time and
     decode full prefill, time and decode each mode; write the JSON, the PNG and a table each."""
@@ -203,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
     from blend.config import parse_selections
 
-    ratios = _floats(args.ratios, "ratios")
-    check_layers = tuple(int(x) for x in _floats(args.check_layers, "check-layers"))
+    ratios = float_list(args.ratios, "ratios")
+    check_layers = tuple(int(x) for x in float_list(args.check_layers, "check-layers"))
     if any(not 0 <= r <= 1 for r in ratios):
         raise ValueError(f"--ratios={args.ratios!r}: each ratio must be in [0, 1]")
     selections = parse_selections(args.selection)
@@ -214,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         parse_rows(args.rows)  # a malformed slice fails before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = _modes(ratios, selections, [parse_variant(v) for v in args.variant or ()])
+    modes = modes_of(ratios, selections, [parse_variant(v) for v in args.variant or ()])
     bench = _Bench(args, check_layers)
     summaries: dict[str, dict] = {}
     warmed, last_write = False, time.monotonic()
@@ -310,7 +214,7 @@ class _Bench:
 
         from blend.planner import make_plan
 
-        probe = _ints(self.args.probe_layers, "probe-layers") if self.args.probe_layers else self.config.probe_layers
+        probe = int_tuple(self.args.probe_layers, "probe-layers") if self.args.probe_layers else self.config.probe_layers
         sinks = self.config.sink_tokens if self.args.sink_tokens is None else self.args.sink_tokens
         cfg = dataclasses.replace(self.config, blend_separator=self.separator, check_layers=self.check_layers,
                                   recompute_ratios=(ratio,), recompute_thresholds=(), min_tokens=0,
@@ -374,7 +278,7 @@ class _Bench:
             "recomputed_tokens": len(ids), "reused_tokens": 0}}
         return row, _Full(full_answer, full_text, torch.softmax(full_logits, -1), gold)
 
-    def blend_mode(self, ex, ids: list[int], spans, mode: _Mode, full: _Full) -> dict:
+    def blend_mode(self, ex, ids: list[int], spans, mode: Mode, full: _Full) -> dict:
         """One blend mode's entry: plan + blend timed to the first logits, decoded, compared."""
         from cluster.workloads.qa import max_f1, token_f1
 
@@ -403,7 +307,7 @@ class _Bench:
             "full_prefill_reason": res.counters.full_prefill_reason}
 
 
-def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[dict], modes: list[_Mode],
+def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[dict], modes: list[Mode],
              check_layers: tuple[int, ...]) -> dict:
     """One dataset's summary (per mode, see the module docstring), its meta and its rows."""
     summary = report.summarize(rows, [m.name for m in modes])
@@ -412,7 +316,7 @@ def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[d
         "threads": bench.torch.get_num_threads(), "device": str(bench.device), "check_layers": list(check_layers),
         "separator": bench.separator, "probe_layers": args.probe_layers or list(bench.config.probe_layers),
         "sink_tokens": bench.config.sink_tokens if args.sink_tokens is None else args.sink_tokens,
-        "chunk_budget_power": bench.config.chunk_budget_power,
+        "chunk_budget_power": bench.config.chunk_budget_power, "query_funnel": bench.config.query_funnel,
         "modes": {m.name: {"selection": m.selection, "ratio": m.ratio} | dict(m.overrides) for m in modes},
         "tiers": bench.tiers_used, "max_passages": args.max_passages or None,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
@@ -443,7 +347,7 @@ def checkpoint(path: str, summaries: dict) -> bool:
         return False
 
 
-def _write(args: argparse.Namespace, summaries: dict, modes: list[_Mode], selections: list[str]) -> None:
+def _write(args: argparse.Namespace, summaries: dict, modes: list[Mode], selections: list[str]) -> None:
     """The JSON (:func:`_write_json`) and the PNG beside it."""
     _write_json(args.json, summaries)
     png = os.path.splitext(args.json)[0] + ".png"
@@ -460,7 +364,7 @@ def _replot(json_path: str, png: str) -> int:
     with open(json_path) as fh:
         summaries = json.load(fh)["datasets"]
     meta = next(iter(summaries.values()))["meta"]["modes"]
-    modes = [_Mode(name, m["selection"], m["ratio"]) for name, m in meta.items()]
+    modes = [Mode(name, m["selection"], m["ratio"]) for name, m in meta.items()]
     selections = list(dict.fromkeys(m.selection for m in modes if m.name not in ("reuse", "recompute_all")))
     report.plot(summaries, modes, selections, png)
     print(f"wrote {png}")

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from blend.cost import kv_bytes_per_token
-from blend.engine import QUERY_SELECTIONS
+from blend.engine_select import QUERY_SELECTIONS
 from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread

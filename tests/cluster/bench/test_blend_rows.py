@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cluster.bench.blend import load_rows, parse_rows
+from cluster.bench.blend_modes import load_rows, parse_rows
 from cluster.workloads.qa import resolve_dataset
 
 pytestmark = pytest.mark.unit
@@ -67,10 +67,10 @@ def test_a_checkpoint_writes_the_rows_whole_and_a_failed_one_does_not_stop_the_r
 
 
 def test_variants_run_each_query_selection_once_per_variant():
-    from cluster.bench.blend import _modes, parse_variant
+    from cluster.bench.blend_modes import modes_of, parse_variant
 
     variants = [parse_variant(["base"]), parse_variant(["cb2", "chunk_budget_power=2", "probe_layers=4,8"])]
-    modes = _modes([0.0, 0.15, 1.0], ["k_deviation", "query_attention"], variants)
+    modes = modes_of([0.0, 0.15, 1.0], ["k_deviation", "query_attention"], variants)
     assert [m.name for m in modes] == ["reuse", "k_deviation@0.15", "query_attention+base@0.15",
                                        "query_attention+cb2@0.15", "recompute_all"]
     assert modes[3].overrides == (("chunk_budget_power", 2.0), ("probe_layers", (4, 8)))

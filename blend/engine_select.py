@@ -1,0 +1,113 @@
+"""Which rows a blend computes: the engine's selection hooks (:class:`RowSelection`, a mixin of
+:class:`blend.engine.BlendEngine`).
+
+* :meth:`RowSelection._select` — at a check layer, CacheBlend's deviation ranking (Yao et al.,
+  EuroSys 2025, §4.2-§4.3) of the reused rows computed there, or the rows a plan forces;
+* :meth:`RowSelection._query_mode` — whether a request is ranked by the query's attention;
+* :meth:`RowSelection._select_by_query` — the query probe before layer 0
+  (:mod:`blend.query_selection`), and the wider set a ``query_k_deviation`` union or a
+  ``query_funnel`` hands on to the check layers.
+
+The layer loop that calls them stays in :meth:`blend.engine.BlendEngine._blend`. Axis letters
+as in :mod:`blend.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Generator
+from concurrent.futures import Future
+
+import torch
+
+from blend import ops
+from blend import query_selection as qs
+from blend.plan import BlendPlan
+from blend.result import BlendCounters
+from blend.rows import RequestRows
+
+#: The deviation each CacheBlend selection ranks reused rows by at a check layer.
+DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv"}
+#: Selections that probe the query's attention before layer 0 (:mod:`blend.query_selection`).
+QUERY_SELECTIONS = ("query_attention", "query_k_deviation")
+
+
+class RowSelection:
+    """The selection hooks of :class:`blend.engine.BlendEngine` (uses its ``model``, ``scale``,
+    ``process_group``, ``_ranks`` and ``_cached_layer``)."""
+
+    def _select(self, plan: BlendPlan, rows: RequestRows, layer_idx: int, active: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters,
+                seed: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 4 of :meth:`_blend`, at a check layer: ``[A']`` indices into ``active`` of the rows
+        computed above it: every non-reused row plus the reused rows selected by deviation of
+        fresh ``k``/``v`` ``[A, H, D]`` from the cached rows of ``kv`` (scored before the fresh
+        rows overwrite them), or those ``plan.forced_recompute`` names. ``seed``: ``[S]`` rows
+        the query probe chose (``query_k_deviation``), kept ahead of any deviation."""
+        i = plan.check_layers.index(layer_idx)
+        every_row = active.shape[0] == rows.is_reused.shape[0]  # active is every prompt row
+        # reused rows computed here (host-known when every row is: no wait for a count)
+        cand_local = rows.reused_rows if every_row else torch.nonzero(rows.is_reused[active]).flatten()
+        if rows.forced is not None:
+            sel_local = cand_local[rows.forced[active[cand_local]]]
+        else:
+            scores = self._ranks.sum_(ops.deviation_of(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
+                                                  active[cand_local]))  # [Rc], summed over the ranks
+            if seed is not None:  # query_k_deviation: the probe's rows rank first
+                scores[torch.isin(active[cand_local], seed)] = float("inf")
+            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
+            sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
+                                             num_reused=rows.num_reused)
+        counters.selected_tokens = int(sel_local.numel())
+        if every_row:  # the fresh rows and the selected ones, disjoint: a size known on the host
+            return torch.sort(torch.cat((rows.fresh_rows, sel_local))).values  # [A'] into active
+        keep = ~rows.is_reused[active]
+        keep[sel_local] = True
+        return torch.nonzero(keep).flatten()  # [A'] into active
+
+    def _query_mode(self, plan: BlendPlan, rows: RequestRows, counters: BlendCounters) -> bool:
+        """Whether this request selects by query attention (:mod:`blend.query_selection`) and
+        ``counters.selection``: the mode that chose its rows (``""`` without hits, ``forced``
+        for ``plan.forced_recompute``); a plan that asks for ``query_attention`` without a
+        query segment is ranked by K deviation (``counters.selection_fallback`` says so)."""
+        by_query = plan.selection in QUERY_SELECTIONS and rows.keys and rows.forced is None
+        if by_query and plan.query_rows is None:
+            counters.selection_fallback, by_query = "no query segment", False
+        if not rows.keys or rows.forced is not None:
+            counters.selection = "forced" if rows.keys else ""
+        else:
+            counters.selection = plan.selection if by_query or plan.selection in DEVIATIONS else "k_deviation"
+        return bool(by_query)
+
+    def _select_by_query(self, plan: BlendPlan, rows: RequestRows, pending: dict[int, Future],
+                         positions: torch.Tensor, counters: BlendCounters,
+                         ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]]:
+        """The query probe, before layer 0, a step per probe layer; returns ``(active, probed,
+        selected)``: the ``[A]`` rows the blend computes in every layer (``positions`` itself when
+        that is all of them), the probe's layer buffers ``{layer: [2, T_prompt, H, D]}`` for the
+        blend to reuse and the ``[S]`` reused rows the probe chose. ``query_attention`` spends the
+        whole budget here; ``query_k_deviation`` half of it (``ceil(ratio / 2 * reused)``, sinks
+        included) and computes every row up to the check layers, where K deviation fills the rest
+        (:meth:`_select`). Ratio 0 and a budget that takes every reused row skip the probe
+        (nothing to rank). ``counters.probe_s``: its compute time (load waits excluded).
+
+        Raises:
+            _Fallback: a cached layer the probe needs could not be read.
+        """
+        t0, waited = time.perf_counter(), counters.load_wait_s
+        union = plan.selection == "query_k_deviation"
+        probe_plan = dataclasses.replace(plan, recompute_ratios=(plan.recompute_ratios[0] / 2,)) if union else plan
+        if qs.funnel(plan):  # over-select; the check layer keeps the budget
+            probe_plan = dataclasses.replace(plan, recompute_ratios=(min(1.0, plan.recompute_ratios[0]
+                                                                         * plan.query_funnel),))
+        selected, probed = yield from qs.select_rows(
+            self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
+            self._ranks.sum_ if self.process_group is not None else None)
+        if probed:
+            counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
+        counters.selected_tokens = int(selected.numel())
+        if union or selected.numel() == rows.num_reused:  # every row is computed
+            return positions, probed, selected
+        # the fresh rows and the selected reused ones (disjoint): no wait for a count
+        return torch.sort(torch.cat((rows.fresh_rows, selected))).values, probed, selected

@@ -1,0 +1,115 @@
+"""What one ``kvblend bench blend`` run covers: its rows (``--rows A:B`` or the first N) and
+its modes (``reuse``, ``recompute_all``, ``<selection>@<ratio>`` and, per ``--variant``,
+``<selection>+<variant>@<ratio>``: a variant is a few blend-config values over the run's, so
+knobs are compared side by side on the same rows with one full prefill per row; issue 38's
+sweeps). :mod:`cluster.bench.blend` runs them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def float_list(text: str, name: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name}={text!r}: expected comma-separated numbers") from None
+    if not vals:
+        raise ValueError(f"--{name}={text!r}: give at least one value")
+    return vals
+
+
+def parse_rows(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> ``(A, B)``: rows ``A <= i < B`` (0-based).
+
+    Raises:
+        ValueError: not two integers with ``0 <= A < B``.
+    """
+    parts = text.split(":")
+    try:
+        start, stop = (int(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"--rows={text!r}: expected A:B, two integers (e.g. 20:150)") from None
+    if not 0 <= start < stop:
+        raise ValueError(f"--rows={text!r}: need 0 <= A < B")
+    return start, stop
+
+
+def load_rows(dataset: str, rows: str, num_examples: int) -> list:
+    """Rows ``A..B-1`` of ``dataset`` for ``rows`` = ``"A:B"`` (:func:`parse_rows`), else its
+    first ``num_examples`` rows, as :class:`cluster.workloads.qa.QAExample`.
+
+    Raises:
+        ValueError: a malformed slice, or one reaching past the dataset's last row.
+    """
+    from cluster.workloads.qa import load_examples, resolve_dataset
+
+    if not rows:
+        return load_examples(resolve_dataset(dataset), limit=num_examples)
+    start, stop = parse_rows(rows)
+    examples = load_examples(resolve_dataset(dataset), limit=stop)
+    if len(examples) < stop:
+        raise ValueError(f"--rows={rows}: {dataset} has {len(examples)} rows")
+    return examples[start:stop]
+
+
+def int_tuple(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{name}={text!r}: expected comma-separated integers") from None
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row of the table: a selection at a ratio (``reuse``/``recompute_all`` are shared),
+    with a variant's blend-config overrides (none: the run's config)."""
+
+    name: str
+    selection: str
+    ratio: float
+    overrides: tuple[tuple[str, object], ...] = ()
+
+
+#: Blend-config fields a ``--variant`` may set (query-aware knobs; the rest stay per run).
+VARIANT_FIELDS = ("probe_layers", "sink_tokens", "chunk_budget_power", "query_funnel", "check_layers")
+
+
+def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """``NAME KEY=VALUE ...`` (one ``--variant``) as ``(name, ((field, value), ...))``:
+    ``probe_layers=8,11,15``, ``sink_tokens=8``, ``chunk_budget_power=1.5``, ``query_funnel=2``,
+    ``check_layers=4``.
+
+    Raises:
+        ValueError: no name, a key not in :data:`VARIANT_FIELDS`, or a value of the wrong type.
+    """
+    if not words or "=" in words[0]:
+        raise ValueError(f"--variant {' '.join(words)!r}: give a name, then KEY=VALUE pairs")
+    out = []
+    for word in words[1:]:
+        key, _, value = word.partition("=")
+        if key not in VARIANT_FIELDS:
+            raise ValueError(f"--variant {words[0]}: {key!r} is not one of {', '.join(VARIANT_FIELDS)}")
+        out.append((key, int_tuple(value, key) if key in ("probe_layers", "check_layers") else
+                    int(value) if key == "sink_tokens" else float_list(value, key)[0]))
+    return words[0], tuple(out)
+
+
+def modes_of(ratios: list[float], selections: list[str],
+           variants: list[tuple[str, tuple]] | None = None) -> list[Mode]:
+    """``reuse`` for ratio 0, ``recompute_all`` for ratio 1, ``<selection>@<ratio>`` between
+    (nothing to rank at 0 or 1: every selection gives the same rows there). With ``variants``,
+    every query-aware selection runs once per variant, named ``<selection>+<variant>@<ratio>``."""
+    modes = []
+    for r in ratios:
+        if r == 0.0:
+            modes.append(Mode("reuse", "k_deviation", 0.0))
+        elif r == 1.0:
+            modes.append(Mode("recompute_all", "k_deviation", 1.0))
+        else:
+            for sel in selections:
+                if variants and sel.startswith("query_"):
+                    modes += [Mode(f"{sel}+{name}@{r:g}", sel, r, over) for name, over in variants]
+                else:
+                    modes.append(Mode(f"{sel}@{r:g}", sel, r))
+    return modes
