@@ -63,7 +63,7 @@ class BlendConfig:
         4, "query_attention, query_k_deviation: first tokens of every reused chunk always recomputed (inside the budget)",
         (0, 4096))
     chunk_budget_power: float = _f(
-        0.0, "query_attention: 0 = one ranking of every reused token by the query's attention; > 0 = each reused chunk's "
+        0.0, "query_attention, query_k_deviation: 0 = one ranking of every reused token by the query's attention; > 0 = each reused chunk's "
         "share of the recompute budget grows as (its share of the query's attention) to this power", (0.0, 64.0))
     query_funnel: float = _f(
         1.0, "query_attention: 1 = the probe's choice is final; > 1 = the probe picks this many times the budget, "

@@ -180,8 +180,8 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
     overlap, factor = estimates.overlap, max(1.0, estimates.row_factor)
 
     def mean_rows(tokens: int) -> float:
-        rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens)
-        wide_rows = base_rows + (hit_tokens - tokens) + math.ceil(wide * tokens - 1e-9)  # as num_to_select
+        rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens - 1e-9)  # as num_to_select
+        wide_rows = base_rows + (hit_tokens - tokens) + math.ceil(wide * tokens - 1e-9)
         return (whole * keys + narrow * wide_rows + (num_layers - whole - narrow) * rows) / max(1, num_layers)
 
     all_rows = mean_rows(hit_tokens)

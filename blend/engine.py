@@ -75,6 +75,7 @@ from blend.rows import (
     recompute_lost,
     request_rows,
     start_fetch,
+    to_device,
     unreadable_hits,
 )
 from blend.steps import run_steps, timed_steps, wait_for_device
@@ -333,7 +334,8 @@ class BlendEngine(RowSelection):
         ids = rows.token_ids  # [T] on the device
         positions = torch.arange(num_tokens, device=model.device)
         by_query = self._query_mode(plan, rows, counters)
-        seed = None  # query_k_deviation: the rows the probe chose, kept at the check layers
+        seed = None  # rows kept first at the check layers (query_k_deviation: the probe's; funnel: sinks)
+        candidates = None  # the funnel: the probe's wider set, ranked at its check layer
         if by_query:  # selection before layer 0: the blend reads every layer of the cache
             first_check = 0
             if plan.selection == "query_attention":
@@ -350,8 +352,9 @@ class BlendEngine(RowSelection):
         try:
             if by_query:
                 active, probed, seed = yield from self._select_by_query(plan, rows, pending, positions, counters)
-                if qs.funnel(plan):  # the sinks stay at the check layer
-                    seed = qs.sink_rows_of(rows.hits, plan.sink_tokens, num_tokens).to(model.device)
+                if qs.funnel(plan):  # the check layer ranks the probe's rows; the sinks stay
+                    sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, num_tokens)
+                    candidates, seed = seed, to_device({"sinks": sinks}, model.device)["sinks"]
             hidden, residual = model.embed(ids if active is positions else ids[active]), None  # [A, E]
             for layer_idx in range(self.spec.num_layers):
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,
@@ -369,7 +372,7 @@ class BlendEngine(RowSelection):
                         kv = kv[:, :num_tokens].contiguous()
                     new_active = active
                     if layer_idx in check_layers:
-                        keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters, seed)
+                        keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters, seed, candidates)
                         new_active = active[keep_local]
                     if active.numel() == num_tokens:  # every row fresh: plain copies
                         kv[0].copy_(k)

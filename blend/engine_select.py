@@ -39,16 +39,24 @@ class RowSelection:
 
     def _select(self, plan: BlendPlan, rows: RequestRows, layer_idx: int, active: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters,
-                seed: torch.Tensor | None = None) -> torch.Tensor:
+                seed: torch.Tensor | None = None, candidates: torch.Tensor | None = None) -> torch.Tensor:
         """Step 4 of :meth:`_blend`, at a check layer: ``[A']`` indices into ``active`` of the rows
         computed above it: every non-reused row plus the reused rows selected by deviation of
         fresh ``k``/``v`` ``[A, H, D]`` from the cached rows of ``kv`` (scored before the fresh
-        rows overwrite them), or those ``plan.forced_recompute`` names. ``seed``: ``[S]`` rows
-        the query probe chose (``query_k_deviation``), kept ahead of any deviation."""
+        rows overwrite them), or those ``plan.forced_recompute`` names. ``seed``: ``[S]`` prompt
+        rows kept ahead of any deviation (``query_k_deviation``: the probe's choice; the query
+        funnel: the sinks). ``candidates``: the ascending prompt rows of the reused rows in
+        ``active`` when the caller knows them (the funnel: the probe's wider set; a count known
+        on the host, so no wait), ranked without thresholds (the budget holds)."""
         i = plan.check_layers.index(layer_idx)
         every_row = active.shape[0] == rows.is_reused.shape[0]  # active is every prompt row
-        # reused rows computed here (host-known when every row is: no wait for a count)
-        cand_local = rows.reused_rows if every_row else torch.nonzero(rows.is_reused[active]).flatten()
+        # reused rows computed here (host-known when every row is, or given: no wait for a count)
+        if every_row:
+            cand_local = rows.reused_rows
+        elif candidates is not None:
+            cand_local = torch.searchsorted(active, candidates)
+        else:
+            cand_local = torch.nonzero(rows.is_reused[active]).flatten()
         if rows.forced is not None:
             sel_local = cand_local[rows.forced[active[cand_local]]]
         else:
@@ -56,12 +64,14 @@ class RowSelection:
                                                   active[cand_local]))  # [Rc], summed over the ranks
             if seed is not None:  # query_k_deviation: the probe's rows rank first
                 scores[torch.isin(active[cand_local], seed)] = float("inf")
-            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds else None
+            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds and candidates is None else None
             sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
                                              num_reused=rows.num_reused)
         counters.selected_tokens = int(sel_local.numel())
         if every_row:  # the fresh rows and the selected ones, disjoint: a size known on the host
             return torch.sort(torch.cat((rows.fresh_rows, sel_local))).values  # [A'] into active
+        if candidates is not None:  # every fresh row is in active: sizes known on the host
+            return torch.sort(torch.cat((torch.searchsorted(active, rows.fresh_rows), sel_local))).values
         keep = ~rows.is_reused[active]
         keep[sel_local] = True
         return torch.nonzero(keep).flatten()  # [A'] into active
@@ -86,8 +96,9 @@ class RowSelection:
         """The query probe, before layer 0, a step per probe layer; returns ``(active, probed,
         selected)``: the ``[A]`` rows the blend computes in every layer (``positions`` itself when
         that is all of them), the probe's layer buffers ``{layer: [2, T_prompt, H, D]}`` for the
-        blend to reuse and the ``[S]`` reused rows the probe chose. ``query_attention`` spends the
-        whole budget here; ``query_k_deviation`` half of it (``ceil(ratio / 2 * reused)``, sinks
+        blend to reuse and the ``[S]`` reused rows the probe chose (ascending). ``query_attention``
+        spends the whole budget here (with ``query_funnel`` F: F x it, cut at the first check layer);
+        ``query_k_deviation`` half of it (``ceil(ratio / 2 * reused)``, sinks
         included) and computes every row up to the check layers, where K deviation fills the rest
         (:meth:`_select`). Ratio 0 and a budget that takes every reused row skip the probe
         (nothing to rank). ``counters.probe_s``: its compute time (load waits excluded).
@@ -96,11 +107,12 @@ class RowSelection:
             _Fallback: a cached layer the probe needs could not be read.
         """
         t0, waited = time.perf_counter(), counters.load_wait_s
-        union = plan.selection == "query_k_deviation"
-        probe_plan = dataclasses.replace(plan, recompute_ratios=(plan.recompute_ratios[0] / 2,)) if union else plan
-        if qs.funnel(plan):  # over-select; the check layer keeps the budget
-            probe_plan = dataclasses.replace(plan, recompute_ratios=(min(1.0, plan.recompute_ratios[0]
-                                                                         * plan.query_funnel),))
+        union, funnel = plan.selection == "query_k_deviation", qs.funnel(plan)
+        probe_plan = plan
+        if union or funnel:  # half the budget / the funnel's wider set (one ratio per check layer)
+            share = 0.5 if union else plan.query_funnel
+            probe_ratio = min(1.0, plan.recompute_ratios[0] * share)
+            probe_plan = dataclasses.replace(plan, recompute_ratios=(probe_ratio,) * len(plan.check_layers))
         selected, probed = yield from qs.select_rows(
             self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
             self._ranks.sum_ if self.process_group is not None else None)

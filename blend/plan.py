@@ -77,7 +77,8 @@ class BlendPlan:
         probe_layers: ``query_attention``: layers whose query attention is summed (empty:
             the engine's default for the model's depth).
         sink_tokens: ``query_attention``: leading tokens of every hit chunk always recomputed.
-        chunk_budget_power: ``query_attention``: 0, one ranking over every reused row; ``> 0``,
+        chunk_budget_power: the query probe (``query_attention``, ``query_k_deviation``): 0, one
+            ranking over every reused row; ``> 0``,
             each hit chunk's share of the budget grows as its query mass to this power.
         query_funnel: ``query_attention``: 1, the probe's rows are final; ``> 1``, the probe
             picks this many times the budget and the first check layer keeps the budget by K

@@ -127,10 +127,12 @@ def chunk_budget_scores(scores: torch.Tensor, chunk_of: torch.Tensor, chunk_firs
 
     The 2026 query-aware papers also budget per chunk by the query's attention to each chunk
     (the issue-38 idea "budgets per chunk"). A row of rank ``r`` (0 = most mass) inside chunk
-    ``c`` scores ``w_c / (r + 1)`` with ``w_c = (M_c / sum M) ** power``: a threshold ``θ`` on
-    that score keeps ``w_c / θ`` rows of every chunk, so the top-``n`` of the scores is the
-    per-chunk budget, with no host wait (two stable sorts on the device). ``power`` near 0
-    spreads the budget evenly over the chunks; large powers give it to the most-read chunk.
+    ``c`` is ranked by ``w_c / (r + 1)`` with ``w_c = (M_c / sum M) ** power``: a threshold ``θ``
+    keeps ``w_c / θ`` rows of every chunk, so the top-``n`` is the per-chunk budget, with no
+    host wait (two stable sorts on the device). The score is the log of that ratio,
+    ``power * log(M_c / sum M) - log(r + 1)`` (the same order, no underflow at large powers).
+    ``power`` near 0 spreads the budget evenly over the chunks; large powers fill the most-read
+    chunk first, then the next.
 
     Args:
         scores: ``[R]`` float32 query mass of each reused row.
@@ -140,16 +142,17 @@ def chunk_budget_scores(scores: torch.Tensor, chunk_of: torch.Tensor, chunk_firs
         power: ``> 0``.
 
     Returns:
-        ``[R]`` float32.
+        ``[R]`` float32 log-scores (finite: a chunk without mass counts as a share of 1e-30).
     """
     num_chunks = chunk_first.numel()
-    chunk_mass = torch.zeros(num_chunks, dtype=torch.float32, device=scores.device).index_add_(0, chunk_of, scores)
-    weight = (chunk_mass / chunk_mass.sum().clamp_min(1e-30)).clamp_min(1e-30) ** power  # [C]
+    chunk_mass = torch.zeros(num_chunks, dtype=torch.float64, device=scores.device).index_add_(
+        0, chunk_of, scores.to(torch.float64))
+    log_weight = power * torch.log((chunk_mass / chunk_mass.sum().clamp_min(1e-300)).clamp_min(1e-30))  # [C]
     by_mass = torch.sort(scores, descending=True, stable=True).indices
     grouped = by_mass[torch.sort(chunk_of[by_mass], stable=True).indices]  # chunk asc, mass desc
     rank = torch.empty_like(chunk_of)
     rank[grouped] = torch.arange(grouped.numel(), device=scores.device) - chunk_first[chunk_of[grouped]]
-    return weight[chunk_of] / (rank + 1).to(torch.float32)
+    return (log_weight[chunk_of] - torch.log1p(rank.to(torch.float64))).to(torch.float32)
 
 
 def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_rows: torch.Tensor | None,

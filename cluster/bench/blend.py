@@ -18,7 +18,9 @@ Per example (rows of ../shared/data/qa/, MuSiQue by default, the first N):
 
 Modes: ``full``; ``reuse`` (ratio 0: nothing recomputed, one shared row, the same in every
 selection); ``recompute_all`` (ratio 1.0, shared likewise); and ``<selection>@<ratio>`` for
-every ``--selection`` (:data:`blend.config.SELECTIONS`) and every other ratio.
+every ``--selection`` (:data:`blend.config.SELECTIONS`) and every other ratio; with
+``--variant NAME KEY=VALUE ...`` each query-aware selection runs once per variant instead,
+as ``<selection>+NAME@<ratio>`` (:mod:`cluster.bench.blend_modes`).
 
 JSON: per dataset, one object per mode with ``ttft_s`` (median), ``ttft_ratio`` (median blend
 / median full), ``probe_share`` (median share of TTFT spent in the query-attention probe),
@@ -88,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink-tokens", type=int, default=None, help="query_attention: sink tokens per chunk "
                                                                 "(default: the blend config's)")
     p.add_argument("--variant", nargs="+", action="append", metavar="NAME KEY=VALUE",
-                   help="run every query-aware selection also as <selection>+NAME@<ratio> with these blend-config "
+                   help="run every query-aware selection once per variant (instead of once), as <selection>+NAME@<ratio>, with these blend-config "
                         f"values ({', '.join(VARIANT_FIELDS)}; e.g. --variant cb1 chunk_budget_power=1); repeatable")
     p.add_argument("--separator", default=None, help="segment separator (default: blend config's)")
     p.add_argument("--plot", default="", metavar="PNG", help="only draw this PNG from --json (a machine "
@@ -130,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
             ids, spans = bench.prompt(passages, ex.question)
             if not warmed:  # warm-up, excluded: allocator, thread pools, first-call paths
                 bench.full_forward(ids[:256])
-                for sel in selections:
-                    bench.engine.blend(bench.plan_for(ids, spans, 0.15, sel))
+                for mode in modes:  # every selection and variant: first-call paths per shape
+                    if mode.name not in ("reuse", "recompute_all"):
+                        bench.engine.blend(bench.plan_for(ids, spans, mode.ratio, mode.selection, mode.overrides))
                 warmed = True
             row, full = bench.full_mode(ex, ids)
             for mode in modes:

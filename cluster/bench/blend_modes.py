@@ -83,15 +83,23 @@ def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]
     Raises:
         ValueError: no name, a key not in :data:`VARIANT_FIELDS`, or a value of the wrong type.
     """
-    if not words or "=" in words[0]:
-        raise ValueError(f"--variant {' '.join(words)!r}: give a name, then KEY=VALUE pairs")
+    from blend.config import BlendConfig
+
+    if not words or "=" in words[0] or "@" in words[0] or "+" in words[0]:
+        raise ValueError(f"--variant {' '.join(words)!r}: give a name (no '=', '@' or '+'), then KEY=VALUE pairs")
     out = []
     for word in words[1:]:
         key, _, value = word.partition("=")
         if key not in VARIANT_FIELDS:
             raise ValueError(f"--variant {words[0]}: {key!r} is not one of {', '.join(VARIANT_FIELDS)}")
-        out.append((key, int_tuple(value, key) if key in ("probe_layers", "check_layers") else
-                    int(value) if key == "sink_tokens" else float_list(value, key)[0]))
+        if key in ("probe_layers", "check_layers"):
+            out.append((key, int_tuple(value, key)))
+            continue
+        nums = float_list(value, key)
+        if len(nums) != 1 or (key == "sink_tokens" and nums[0] != int(nums[0])):
+            raise ValueError(f"--variant {words[0]}: {key}={value!r} must be one {'integer' if key == 'sink_tokens' else 'number'}")
+        out.append((key, int(nums[0]) if key == "sink_tokens" else nums[0]))
+    BlendConfig(**dict(out))  # out of range, or check_layers=(): refused now, before the model loads
     return words[0], tuple(out)
 
 
@@ -99,7 +107,15 @@ def modes_of(ratios: list[float], selections: list[str],
            variants: list[tuple[str, tuple]] | None = None) -> list[Mode]:
     """``reuse`` for ratio 0, ``recompute_all`` for ratio 1, ``<selection>@<ratio>`` between
     (nothing to rank at 0 or 1: every selection gives the same rows there). With ``variants``,
-    every query-aware selection runs once per variant, named ``<selection>+<variant>@<ratio>``."""
+    every query-aware selection runs once per variant (instead of once), named
+    ``<selection>+<variant>@<ratio>``.
+
+    Raises:
+        ValueError: two variants of one name.
+    """
+    names = [name for name, _ in variants or ()]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variant names must differ: {names}")
     modes = []
     for r in ratios:
         if r == 0.0:

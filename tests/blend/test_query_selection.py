@@ -118,6 +118,20 @@ def test_chunk_budget_shares_the_budget_by_each_chunks_query_mass():
     assert scores.shape == (30,) and bool(torch.isfinite(scores).all())
 
 
+def test_chunk_budget_at_the_largest_power_fills_chunks_in_mass_order():
+    """Power 64 (the config's ceiling), 12 chunks of 10 rows, one dominant: the budget fills the
+    dominant chunk, then the next by mass with its own top rows (no weight underflows to a tie)."""
+    torch.manual_seed(1)
+    totals = [50.0] + [float(x) for x in range(1, 12)]  # chunk 11 (mass 11) is second
+    mass = torch.cat([(torch.rand(10) + 0.1) / 10 * t for t in totals])
+    reused = torch.arange(120)
+    idx = chunk_index([type("S", (), {"start": 10 * c})() for c in range(12)], reused)
+    got = select_by_query_mass(mass, reused, None, ratio=15 / 120, num_reused=120, chunk_power=64.0, **idx).tolist()
+    assert got[:10] == list(range(10))
+    assert set(got[10:]) == set((torch.topk(mass[110:120], 5).indices + 110).tolist())
+    assert bool(torch.isfinite(chunk_budget_scores(mass, idx["chunk_of"], idx["chunk_first"], 64.0)).all())
+
+
 @pytest.mark.parametrize("power", [0.5, 2.0])
 def test_chunk_budget_holds_the_budget_and_ratio_one_is_full_prefill(make_setup, power):
     engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
@@ -158,6 +172,21 @@ def test_funnel_keeps_the_budget_from_the_probes_larger_set(make_setup, ratio, f
     plain = blend(ratio, 1.0)
     assert set(plain.recompute_idx.tolist()) != kept or funnel * ratio >= 1.0
     assert torch.equal(plain.recompute_idx, blend(ratio, 1.0).recompute_idx)
+
+
+def test_funnel_with_two_check_layers_and_a_threshold_keeps_its_budget(make_setup):
+    """The funnel cuts at the first check layer only, whatever the plan's other check layers, and
+    ignores deviation thresholds (its budget holds: they are for the deviation selections)."""
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+    res = engine.blend(plan_for(ids, spans, client, ratio=0.15, selection="query_attention", query_funnel=2.0,
+                                check_layers=(1, 2), thresholds=(1e3,)))
+    c = res.counters
+    assert c.full_prefill_reason is None and c.selected_tokens == num_to_select(c.reused_tokens, 0.15)
+    wide = num_to_select(c.reused_tokens, 0.3)
+    assert c.recomputed_tokens_per_layer[:3] == [c.computed_tokens + wide] * 2 + [c.computed_tokens + c.selected_tokens]
+    union = engine.blend(plan_for(ids, spans, client, ratio=0.15, selection="query_k_deviation", check_layers=(1, 2)))
+    assert union.counters.full_prefill_reason is None  # one probe ratio per check layer
 
 
 def test_funnel_at_ratio_one_is_full_prefill(make_setup):

@@ -76,6 +76,10 @@ def test_variants_run_each_query_selection_once_per_variant():
     assert modes[3].overrides == (("chunk_budget_power", 2.0), ("probe_layers", (4, 8)))
     assert modes[2].overrides == () and modes[1].overrides == ()
     assert parse_variant(["s8", "sink_tokens=8"]) == ("s8", (("sink_tokens", 8),))
-    for bad in (["chunk_budget_power=2"], ["x", "selection=k_deviation"], ["x", "sink_tokens=a"], []):
+    for bad in (["chunk_budget_power=2"], ["x", "selection=k_deviation"], ["x", "sink_tokens=a"], [],
+                ["x", "sink_tokens=1.5"], ["x", "query_funnel=2,3"], ["x", "query_funnel=0.5"],
+                ["x", "chunk_budget_power=100"], ["x", "check_layers="], ["a@b"]):
         with pytest.raises(ValueError):
             parse_variant(bad)
+    with pytest.raises(ValueError):
+        modes_of([0.15], ["query_attention"], [parse_variant(["a"]), parse_variant(["a", "sink_tokens=2"])])
