@@ -174,7 +174,7 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
     # query funnel computes its wider set there (query_selection.funnel)
     below = min(num_layers, plan.check_layers[0] + 1) if plan.check_layers else 0
     whole = 0 if plan.selection == "query_attention" else below
-    wide = min(1.0, ratio * plan.query_funnel) if plan.selection == "query_attention" and plan.query_funnel > 1 else 0.0
+    wide = plan.funnel_ratio or 0.0
     narrow = below if wide else 0
 
     overlap, factor = estimates.overlap, max(1.0, estimates.row_factor)

@@ -107,11 +107,10 @@ class RowSelection:
             _Fallback: a cached layer the probe needs could not be read.
         """
         t0, waited = time.perf_counter(), counters.load_wait_s
-        union, funnel = plan.selection == "query_k_deviation", qs.funnel(plan)
-        probe_plan = plan
-        if union or funnel:  # half the budget / the funnel's wider set (one ratio per check layer)
-            share = 0.5 if union else plan.query_funnel
-            probe_ratio = min(1.0, plan.recompute_ratios[0] * share)
+        union = plan.selection == "query_k_deviation"
+        probe_ratio = plan.recompute_ratios[0] / 2 if union else plan.funnel_ratio
+        probe_plan = plan  # half the budget / the funnel's wider set (one ratio per check layer)
+        if probe_ratio is not None:
             probe_plan = dataclasses.replace(plan, recompute_ratios=(probe_ratio,) * len(plan.check_layers))
         selected, probed = yield from qs.select_rows(
             self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,

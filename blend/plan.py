@@ -127,6 +127,15 @@ class BlendPlan:
         return tuple(s for s in self.segments if s.kind == CHUNK and s.hit)
 
     @property
+    def funnel_ratio(self) -> float | None:
+        """The query funnel's wider share (``min(1, ratio x query_funnel)``) that the probe
+        picks and the first check layer cuts to the budget, or None when the plan has no
+        funnel (:func:`blend.query_selection.funnel`)."""
+        if self.selection != "query_attention" or self.query_funnel <= 1.0 or not self.check_layers:
+            return None
+        return min(1.0, self.recompute_ratios[0] * self.query_funnel)
+
+    @property
     def query_rows(self) -> tuple[int, int] | None:
         """``(start, end)`` of the query segment (the prompt's last segment after a
         separator), or None when the prompt has none."""

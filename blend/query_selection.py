@@ -204,7 +204,7 @@ def funnel(plan) -> bool:
     filters gradually too (§4.3: a larger set at the first layers, cut at later ones); here the
     first cut is the query's attention, and the deviation drops the rows it reads whose cached
     KV is already right (the issue-38 idea of re-ranking after a partial recompute)."""
-    return plan.selection == "query_attention" and plan.query_funnel > 1.0 and bool(plan.check_layers)
+    return plan.funnel_ratio is not None
 
 
 def sink_rows_of(hits, sink_tokens: int, limit: int) -> torch.Tensor:
