@@ -68,6 +68,10 @@ class BlendConfig:
     query_funnel: float = _f(
         1.0, "query_attention: 1 = the probe's choice is final; > 1 = the probe picks this many times the budget, "
         "and at the first check layer the reused tokens with the highest K deviation keep the budget", (1.0, 20.0))
+    rank_fusion: int = _f(
+        0, "query_k_deviation: 0 = half the budget by the query's attention, the rest by K deviation at the check "
+        "layers; > 0 = the whole budget by reciprocal rank fusion of both rankings at the check layers, with this "
+        "constant k (RRF's usual is 60)", (0, 10**6))
     min_tokens: int = _f(
         256, "blend only if at least this many tokens of the whole prompt would be reused", (0, 10**9))
     cost_aware: bool = _f(

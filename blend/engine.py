@@ -336,6 +336,7 @@ class BlendEngine(RowSelection):
         by_query = self._query_mode(plan, rows, counters)
         seed = None  # rows kept first at the check layers (query_k_deviation: the probe's; funnel: sinks)
         candidates = None  # the funnel: the probe's wider set, ranked at its check layer
+        prior = None  # rank fusion: the probe's [T] scores, fused with the deviation at the check layers
         if by_query:  # selection before layer 0: the blend reads every layer of the cache
             first_check = 0
             if plan.selection == "query_attention":
@@ -351,7 +352,8 @@ class BlendEngine(RowSelection):
         kv_layers: list[torch.Tensor] = []
         try:
             if by_query:
-                active, probed, seed = yield from self._select_by_query(plan, rows, pending, positions, counters)
+                active, probed, seed, prior = yield from self._select_by_query(plan, rows, pending, positions,
+                                                                               counters)
                 if qs.funnel(plan):  # the check layer ranks the probe's rows; the sinks stay
                     sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, num_tokens)
                     candidates, seed = seed, to_device({"sinks": sinks}, model.device)["sinks"]
@@ -372,7 +374,8 @@ class BlendEngine(RowSelection):
                         kv = kv[:, :num_tokens].contiguous()
                     new_active = active
                     if layer_idx in check_layers:
-                        keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters, seed, candidates)
+                        keep_local = self._select(plan, rows, layer_idx, active, k, v, kv, counters, seed, candidates,
+                                                  prior)
                         new_active = active[keep_local]
                     if active.numel() == num_tokens:  # every row fresh: plain copies
                         kv[0].copy_(k)

@@ -25,7 +25,7 @@ from blend import ops
 from blend import query_selection as qs
 from blend.plan import BlendPlan
 from blend.result import BlendCounters
-from blend.rows import RequestRows
+from blend.rows import RequestRows, to_device
 
 #: The deviation each CacheBlend selection ranks reused rows by at a check layer.
 DEVIATIONS = {"k_deviation": "k", "v_deviation": "v", "kv_deviation": "kv"}
@@ -39,7 +39,8 @@ class RowSelection:
 
     def _select(self, plan: BlendPlan, rows: RequestRows, layer_idx: int, active: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters,
-                seed: torch.Tensor | None = None, candidates: torch.Tensor | None = None) -> torch.Tensor:
+                seed: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+                prior: torch.Tensor | None = None) -> torch.Tensor:
         """Step 4 of :meth:`_blend`, at a check layer: ``[A']`` indices into ``active`` of the rows
         computed above it: every non-reused row plus the reused rows selected by deviation of
         fresh ``k``/``v`` ``[A, H, D]`` from the cached rows of ``kv`` (scored before the fresh
@@ -47,7 +48,10 @@ class RowSelection:
         rows kept ahead of any deviation (``query_k_deviation``: the probe's choice; the query
         funnel: the sinks). ``candidates``: the ascending prompt rows of the reused rows in
         ``active`` when the caller knows them (the funnel: the probe's wider set; a count known
-        on the host, so no wait), ranked without thresholds (the budget holds)."""
+        on the host, so no wait), ranked without thresholds (the budget holds). ``prior``:
+        ``[T]`` float32 the query probe's score of every prompt row (``query_k_deviation`` with
+        ``rank_fusion``): the deviation's ranking is fused with it
+        (:func:`blend.query_selection.fuse_ranks`), without thresholds."""
         i = plan.check_layers.index(layer_idx)
         every_row = active.shape[0] == rows.is_reused.shape[0]  # active is every prompt row
         # reused rows computed here (host-known when every row is, or given: no wait for a count)
@@ -62,9 +66,13 @@ class RowSelection:
         else:
             scores = self._ranks.sum_(ops.deviation_of(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
                                                   active[cand_local]))  # [Rc], summed over the ranks
-            if seed is not None:  # query_k_deviation: the probe's rows rank first
+            fused = prior is not None and prior.numel() > 0 and plan.fusion_k is not None
+            if fused:  # rank fusion of the deviation and the probe's ranking
+                scores = qs.fuse_ranks(scores, prior[active[cand_local]], plan.fusion_k)
+            if seed is not None:  # query_k_deviation: the probe's rows (fused: the sinks) rank first
                 scores[torch.isin(active[cand_local], seed)] = float("inf")
-            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds and candidates is None else None
+            ranked = candidates is not None or fused  # a ranking without thresholds: the budget holds
+            threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds and not ranked else None
             sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
                                              num_reused=rows.num_reused)
         counters.selected_tokens = int(sel_local.numel())
@@ -92,33 +100,40 @@ class RowSelection:
 
     def _select_by_query(self, plan: BlendPlan, rows: RequestRows, pending: dict[int, Future],
                          positions: torch.Tensor, counters: BlendCounters,
-                         ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]]:
+                         ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor,
+                                                         torch.Tensor | None]]:
         """The query probe, before layer 0, a step per probe layer; returns ``(active, probed,
-        selected)``: the ``[A]`` rows the blend computes in every layer (``positions`` itself when
-        that is all of them), the probe's layer buffers ``{layer: [2, T_prompt, H, D]}`` for the
-        blend to reuse and the ``[S]`` reused rows the probe chose (ascending). ``query_attention``
+        selected, prior)``: the ``[A]`` rows the blend computes in every layer (``positions``
+        itself when that is all of them), the probe's layer buffers ``{layer: [2, T_prompt, H, D]}``
+        for the blend to reuse, the ``[S]`` reused rows the probe chose (ascending) and, for rank
+        fusion, the probe's ``[T]`` scores (else None). ``query_attention``
         spends the whole budget here (with ``query_funnel`` F: F x it, cut at the first check layer);
         ``query_k_deviation`` half of it (``ceil(ratio / 2 * reused)``, sinks
         included) and computes every row up to the check layers, where K deviation fills the rest
-        (:meth:`_select`). Ratio 0 and a budget that takes every reused row skip the probe
-        (nothing to rank). ``counters.probe_s``: its compute time (load waits excluded).
+        (:meth:`_select`); with ``rank_fusion`` it chooses only the sinks here and hands its
+        ranking to the check layers, which fuse it with the deviation's. Ratio 0 and a budget that
+        takes every reused row skip the probe (nothing to rank). ``counters.probe_s``: its compute
+        time (load waits excluded).
 
         Raises:
             _Fallback: a cached layer the probe needs could not be read.
         """
         t0, waited = time.perf_counter(), counters.load_wait_s
-        union = plan.selection == "query_k_deviation"
-        probe_ratio = plan.recompute_ratios[0] / 2 if union else plan.funnel_ratio
+        union, fused = plan.selection == "query_k_deviation", plan.fusion_k is not None
+        probe_ratio = plan.recompute_ratios[0] / 2 if union and not fused else plan.funnel_ratio
         probe_plan = plan  # half the budget / the funnel's wider set (one ratio per check layer)
         if probe_ratio is not None:
             probe_plan = dataclasses.replace(plan, recompute_ratios=(probe_ratio,) * len(plan.check_layers))
         selected, probed = yield from qs.select_rows(
             self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
-            self._ranks.sum_ if self.process_group is not None else None)
+            self._ranks.sum_ if self.process_group is not None else None, scores_only=fused)
         if probed:
             counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
+        if fused:  # the check layers rank every reused row by both; the sinks stay first
+            sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, plan.blend_end)
+            return positions, probed, to_device({"sinks": sinks}, self.model.device)["sinks"], selected
         counters.selected_tokens = int(selected.numel())
         if union or selected.numel() == rows.num_reused:  # every row is computed
-            return positions, probed, selected
+            return positions, probed, selected, None
         # the fresh rows and the selected reused ones (disjoint): no wait for a count
-        return torch.sort(torch.cat((rows.fresh_rows, selected))).values, probed, selected
+        return torch.sort(torch.cat((rows.fresh_rows, selected))).values, probed, selected, None

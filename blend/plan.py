@@ -83,6 +83,9 @@ class BlendPlan:
         query_funnel: ``query_attention``: 1, the probe's rows are final; ``> 1``, the probe
             picks this many times the budget and the first check layer keeps the budget by K
             deviation (:func:`blend.query_selection.funnel`).
+        rank_fusion: ``query_k_deviation``: 0, the probe picks half the budget and K deviation
+            the rest; ``k > 0``, the check layers rank by reciprocal rank fusion of the probe's
+            and the deviation's rankings (:func:`blend.query_selection.fuse_ranks`).
     """
 
     token_ids: tuple[int, ...]
@@ -98,6 +101,7 @@ class BlendPlan:
     sink_tokens: int = 0
     chunk_budget_power: float = 0.0
     query_funnel: float = 1.0
+    rank_fusion: int = 0
 
     def __post_init__(self) -> None:
         pos = 0
@@ -134,6 +138,14 @@ class BlendPlan:
         if self.selection != "query_attention" or self.query_funnel <= 1.0 or not self.check_layers:
             return None
         return min(1.0, self.recompute_ratios[0] * self.query_funnel)
+
+    @property
+    def fusion_k(self) -> int | None:
+        """RRF's constant when ``query_k_deviation`` fuses the probe's ranking with the check
+        layers' deviation (``rank_fusion > 0``), else None."""
+        if self.selection != "query_k_deviation" or self.rank_fusion <= 0 or not self.check_layers:
+            return None
+        return self.rank_fusion
 
     @property
     def query_rows(self) -> tuple[int, int] | None:

@@ -105,7 +105,8 @@ def make_plan(token_ids: Sequence[int], spans: Sequence[tuple[str, int, int]], n
         recompute_ratios=tuple(config.ratio_for(i) for i in range(len(config.check_layers))),
         recompute_thresholds=thresholds, blend_end=blend_end, full_prefill_reason=reason,
         selection=config.selection, probe_layers=tuple(config.probe_layers), sink_tokens=config.sink_tokens,
-        chunk_budget_power=config.chunk_budget_power, query_funnel=config.query_funnel)
+        chunk_budget_power=config.chunk_budget_power, query_funnel=config.query_funnel,
+        rank_fusion=config.rank_fusion)
     log.debug("blend plan: %d tokens, %d chunk segments, %d hits, %d reusable tokens, blend_end=%d, "
               "full_prefill_reason=%s", n, len(keys), len(plan.hit_segments), reusable, blend_end, reason)
     return plan

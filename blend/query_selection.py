@@ -155,6 +155,50 @@ def chunk_budget_scores(scores: torch.Tensor, chunk_of: torch.Tensor, chunk_firs
     return (log_weight[chunk_of] - torch.log1p(rank.to(torch.float64))).to(torch.float32)
 
 
+def query_row_scores(mass: torch.Tensor, reused_rows: torch.Tensor, chunk_of: torch.Tensor | None = None,
+                     chunk_first: torch.Tensor | None = None, chunk_power: float = 0.0) -> torch.Tensor:
+    """``[R]`` float32 scores the probe ranks the reused rows by (higher first): their query
+    mass, or with ``chunk_power > 0`` the per-chunk budget's log-scores
+    (:func:`chunk_budget_scores`). Arguments as :func:`select_by_query_mass`."""
+    scores = mass[reused_rows].to(torch.float32)
+    if chunk_power > 0 and chunk_of is not None and chunk_first is not None and chunk_first.numel():
+        scores = chunk_budget_scores(scores, chunk_of, chunk_first, chunk_power)
+    return scores
+
+
+def descending_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int64 0-based rank of each score, highest first (ties in index order)."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(order.numel(), device=scores.device)
+    return ranks
+
+
+def fuse_ranks(first: torch.Tensor, second: torch.Tensor, k: int) -> torch.Tensor:
+    """Reciprocal rank fusion of two rankings of the same ``[N]`` candidates:
+    ``1 / (k + rank_1) + 1 / (k + rank_2)`` with 1-based ranks, highest score first (Cormack
+    et al., SIGIR 2009). The issue-38 idea "combining the probe's ranking with the
+    check-layer deviation by rank fusion instead of a fixed split" (``query_k_deviation``
+    with ``rank_fusion = k``): a row both rankings place high beats one that only one does,
+    and neither score's scale matters. Small ``k`` trusts the top of each ranking most; large
+    ``k`` flattens towards the sum of ranks. On the device, no host wait (two sorts each).
+
+    Args:
+        first, second: ``[N]`` float scores (any scale; higher ranks first).
+        k: ``>= 1``.
+
+    Returns:
+        ``[N]`` float32 fused scores.
+    """
+    if first.shape != second.shape or first.dim() != 1:
+        raise ValueError(f"two [N] rankings expected, got {tuple(first.shape)} and {tuple(second.shape)}")
+    if k < 1:
+        raise ValueError(f"rank fusion constant k={k} must be >= 1")
+    r1 = descending_ranks(first).to(torch.float32)
+    r2 = descending_ranks(second).to(torch.float32)
+    return 1.0 / (k + 1.0 + r1) + 1.0 / (k + 1.0 + r2)
+
+
 def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_rows: torch.Tensor | None,
                          ratio: float, num_reused: int, *, sink_mask: torch.Tensor | None = None,
                          chunk_of: torch.Tensor | None = None, chunk_first: torch.Tensor | None = None,
@@ -183,9 +227,7 @@ def select_by_query_mass(mass: torch.Tensor, reused_rows: torch.Tensor, sink_row
     budget = min(num_to_select(num_reused, ratio), reused_rows.numel())
     if budget == 0:
         return torch.zeros(0, dtype=torch.int64, device=reused_rows.device)
-    scores = mass[reused_rows].to(torch.float32)
-    if chunk_power > 0 and chunk_of is not None and chunk_first is not None and chunk_first.numel():
-        scores = chunk_budget_scores(scores, chunk_of, chunk_first, chunk_power)
+    scores = query_row_scores(mass, reused_rows, chunk_of, chunk_first, chunk_power)
     is_sink = sink_mask
     if is_sink is None and sink_rows is not None and sink_rows.numel():
         is_sink = torch.isin(reused_rows, sink_rows.to(reused_rows.device))
@@ -308,7 +350,7 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
 
 
 def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tensor], scale: float,
-                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *, scores_only: bool = False,
                 ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
     """Steps 1-2 of the module docstring for one request, a step per probe layer: returns
     ``(selected, probed)``, the ``[S]`` int64 reused rows to recompute and the probe's layer
@@ -320,12 +362,18 @@ def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tens
         plan: the :class:`~blend.plan.BlendPlan` (``query_rows`` must not be None).
         rows: its :class:`~blend.rows.RequestRows`.
         cached_layer, scale, reduce: as :func:`probe_query_mass`.
+        scores_only: return the probe's ranking instead of a selection: ``selected`` is then
+            ``[T]`` float32 over the prompt rows, :func:`query_row_scores` on the reused rows
+            and ``-inf`` elsewhere (rank fusion ranks it at the check layers); with the probe
+            skipped it is ``[0]``.
     """
     device, num_tokens = rows.is_reused.device, plan.blend_end
     ratio = plan.recompute_ratios[0]
     reused_rows = rows.reused_rows  # [R]
     budget = num_to_select(rows.num_reused, ratio)
     if budget == 0 or budget >= reused_rows.numel():
+        if scores_only:
+            return torch.zeros(0, dtype=torch.float32, device=device), {}
         return reused_rows[:budget], {}
     start, end = plan.query_rows
     # host side: which rows are reused, missed, sinks (from the plan); then one copy
@@ -345,6 +393,11 @@ def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tens
     layers = probe_layers_for(plan.probe_layers, model.spec.num_layers)
     mass, probed = yield from probe_query_mass(model, dev["ids"], is_reused, end - start, layers, cached_layer,
                                                scale, reduce, skip=missed)
+    if scores_only:
+        prior = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=device)
+        prior[reused_rows] = query_row_scores(mass, reused_rows, dev.get("chunk_of"), dev.get("chunk_first"),
+                                              plan.chunk_budget_power)
+        return prior, probed
     return select_by_query_mass(mass, reused_rows, None, ratio, rows.num_reused, sink_mask=dev["is_sink"],
                                 chunk_of=dev.get("chunk_of"), chunk_first=dev.get("chunk_first"),
                                 chunk_power=plan.chunk_budget_power), probed

@@ -172,7 +172,7 @@ def blend_prompt(prefix, chunks, query, sep=(7, 8)):
 
 def plan_for(ids, spans, client, *, ratio=0.15, check_layers=(1,), min_tokens=0,
              query_to_engine=True, thresholds=(), selection="k_deviation", probe_layers=(),
-             sink_tokens=4, chunk_budget_power=0.0, query_funnel=1.0) -> BlendPlan:
+             sink_tokens=4, chunk_budget_power=0.0, query_funnel=1.0, rank_fusion=0) -> BlendPlan:
     """The planner's plan for ``ids``/``spans`` (keys under :data:`NAMESPACE`), looked up in
     ``client``."""
     from blend.config import BlendConfig
@@ -181,7 +181,8 @@ def plan_for(ids, spans, client, *, ratio=0.15, check_layers=(1,), min_tokens=0,
     config = BlendConfig(check_layers=tuple(check_layers), recompute_ratios=(ratio,),
                          recompute_thresholds=tuple(thresholds), min_tokens=min_tokens,
                          selection=selection, probe_layers=tuple(probe_layers), sink_tokens=sink_tokens,
-                         chunk_budget_power=chunk_budget_power, query_funnel=query_funnel)
+                         chunk_budget_power=chunk_budget_power, query_funnel=query_funnel,
+                         rank_fusion=rank_fusion)
     return make_plan(ids, spans, NAMESPACE, client, config, query_to_engine=query_to_engine)
 
 

@@ -320,6 +320,7 @@ def _summary(args: argparse.Namespace, bench: _Bench, dataset: str, rows: list[d
         "separator": bench.separator, "probe_layers": args.probe_layers or list(bench.config.probe_layers),
         "sink_tokens": bench.config.sink_tokens if args.sink_tokens is None else args.sink_tokens,
         "chunk_budget_power": bench.config.chunk_budget_power, "query_funnel": bench.config.query_funnel,
+        "rank_fusion": bench.config.rank_fusion,
         "modes": {m.name: {"selection": m.selection, "ratio": m.ratio} | dict(m.overrides) for m in modes},
         "tiers": bench.tiers_used, "max_passages": args.max_passages or None,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),

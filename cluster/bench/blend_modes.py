@@ -72,18 +72,22 @@ class Mode:
 
 
 #: Blend-config fields a ``--variant`` may set (query-aware knobs; the rest stay per run).
-VARIANT_FIELDS = ("probe_layers", "sink_tokens", "chunk_budget_power", "query_funnel", "check_layers")
+VARIANT_FIELDS = ("probe_layers", "sink_tokens", "chunk_budget_power", "query_funnel", "check_layers", "rank_fusion",
+                  "selection")
+#: Of those, the fields that take one integer.
+INT_FIELDS = ("sink_tokens", "rank_fusion")
 
 
 def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]]:
     """``NAME KEY=VALUE ...`` (one ``--variant``) as ``(name, ((field, value), ...))``:
     ``probe_layers=8,11,15``, ``sink_tokens=8``, ``chunk_budget_power=1.5``, ``query_funnel=2``,
-    ``check_layers=4``.
+    ``check_layers=4``, ``rank_fusion=60``; ``selection=query_k_deviation`` runs the variant
+    under that query-aware selection only (the knobs of one selection mean nothing to another).
 
     Raises:
         ValueError: no name, a key not in :data:`VARIANT_FIELDS`, or a value of the wrong type.
     """
-    from blend.config import BlendConfig
+    from blend.config import SELECTIONS, BlendConfig
 
     if not words or "=" in words[0] or "@" in words[0] or "+" in words[0]:
         raise ValueError(f"--variant {' '.join(words)!r}: give a name (no '=', '@' or '+'), then KEY=VALUE pairs")
@@ -95,10 +99,15 @@ def parse_variant(words: list[str]) -> tuple[str, tuple[tuple[str, object], ...]
         if key in ("probe_layers", "check_layers"):
             out.append((key, int_tuple(value, key)))
             continue
+        if key == "selection":
+            if not value.startswith("query_") or value not in SELECTIONS:
+                raise ValueError(f"--variant {words[0]}: selection={value!r} is not a query-aware selection")
+            out.append((key, value))
+            continue
         nums = float_list(value, key)
-        if len(nums) != 1 or (key == "sink_tokens" and nums[0] != int(nums[0])):
-            raise ValueError(f"--variant {words[0]}: {key}={value!r} must be one {'integer' if key == 'sink_tokens' else 'number'}")
-        out.append((key, int(nums[0]) if key == "sink_tokens" else nums[0]))
+        if len(nums) != 1 or (key in INT_FIELDS and nums[0] != int(nums[0])):
+            raise ValueError(f"--variant {words[0]}: {key}={value!r} must be one {'integer' if key in INT_FIELDS else 'number'}")
+        out.append((key, int(nums[0]) if key in INT_FIELDS else nums[0]))
     BlendConfig(**dict(out))  # out of range, or check_layers=(): refused now, before the model loads
     return words[0], tuple(out)
 
@@ -108,7 +117,8 @@ def modes_of(ratios: list[float], selections: list[str],
     """``reuse`` for ratio 0, ``recompute_all`` for ratio 1, ``<selection>@<ratio>`` between
     (nothing to rank at 0 or 1: every selection gives the same rows there). With ``variants``,
     every query-aware selection runs once per variant (instead of once), named
-    ``<selection>+<variant>@<ratio>``.
+    ``<selection>+<variant>@<ratio>``; a variant that names a ``selection`` runs under that
+    one only.
 
     Raises:
         ValueError: two variants of one name.
@@ -125,7 +135,8 @@ def modes_of(ratios: list[float], selections: list[str],
         else:
             for sel in selections:
                 if variants and sel.startswith("query_"):
-                    modes += [Mode(f"{sel}+{name}@{r:g}", sel, r, over) for name, over in variants]
+                    modes += [Mode(f"{sel}+{name}@{r:g}", sel, r, over) for name, over in variants
+                              if dict(over).get("selection", sel) == sel]
                 else:
                     modes.append(Mode(f"{sel}@{r:g}", sel, r))
     return modes

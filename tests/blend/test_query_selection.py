@@ -12,6 +12,7 @@ from blend.query_selection import (
     chunk_budget_scores,
     chunk_index,
     default_probe_layers,
+    fuse_ranks,
     probe_layers_for,
     query_attention_mass,
     select_by_query_mass,
@@ -197,6 +198,83 @@ def test_funnel_at_ratio_one_is_full_prefill(make_setup):
     for got, want in zip(res.kv, full.kv, strict=True):
         assert_close(got, want, **F32_TOL)
     assert_close(res.logits, full.logits, **F32_TOL)
+
+
+def test_rank_fusion_adds_reciprocal_ranks_by_hand():
+    first = torch.tensor([0.9, 0.1, 0.5, 0.7])   # ranks 0, 3, 2, 1
+    second = torch.tensor([1.0, 8.0, 3.0, 2.0])  # ranks 3, 0, 1, 2
+    want = torch.tensor([1 / 3 + 1 / 6, 1 / 6 + 1 / 3, 1 / 5 + 1 / 4, 1 / 4 + 1 / 5])  # k = 2, 1-based ranks
+    assert_close(fuse_ranks(first, second, 2), want)
+    # a row both rankings place second beats one only the first ranks top (small k) ...
+    a = torch.arange(10, 0, -1, dtype=torch.float32)  # row i ranks i-th
+    b = torch.tensor([0.0, 8.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 9.0])  # row 9 first, row 1 second, row 0 last
+    fused = fuse_ranks(a, b, 1)
+    assert fused.argmax() == 1 and fused[1] > fused[0] and fused[1] > fused[9]
+    # ... and ties keep index order like the sorts (equal scores, distinct ranks)
+    assert fuse_ranks(torch.zeros(3), torch.zeros(3), 60).argsort(descending=True).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        fuse_ranks(a, b[:4], 1)
+    with pytest.raises(ValueError):
+        fuse_ranks(a, b, 0)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.15, 0.3])
+def test_rank_fusion_keeps_sinks_and_the_budget_and_ranks_by_both(make_setup, monkeypatch, ratio):
+    """``query_k_deviation`` with ``rank_fusion``: the probe chooses nothing itself; every row is
+    computed up to the check layer, where the reused rows are ranked by the fusion of their K
+    deviation and the probe's scores (sinks first), thresholds ignored, the budget held."""
+    import blend.query_selection as qs
+
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+    seen = []
+    real = qs.fuse_ranks
+    monkeypatch.setattr(qs, "fuse_ranks", lambda a, b, k: seen.append((a.clone(), b.clone(), k)) or real(a, b, k))
+    res = engine.blend(plan_for(ids, spans, client, ratio=ratio, selection="query_k_deviation", sink_tokens=2,
+                                rank_fusion=5, thresholds=(1e9,)))
+    c, num_layers = res.counters, engine.spec.num_layers
+    budget = num_to_select(c.reused_tokens, ratio)
+    assert c.selection == "query_k_deviation" and c.full_prefill_reason is None
+    assert c.selected_tokens == budget
+    assert c.recomputed_tokens_per_layer == [len(ids)] * 2 + [c.computed_tokens + budget] * (num_layers - 2)
+    if budget == 0:
+        assert not seen and c.probe_s == 0
+        return
+    (dev, prior, k), = seen
+    assert k == 5 and dev.shape == prior.shape == (c.reused_tokens,) and bool(torch.isfinite(prior).all())
+    chunk_rows = [list(range(s, e)) for kind, s, e in spans if kind == "chunk"]
+    reused = [r for rows in chunk_rows for r in rows]
+    sinks = {rows[i] for rows in chunk_rows for i in range(2)}
+    fused = real(dev, prior, 5)
+    order = [reused[i] for i in fused.argsort(descending=True, stable=True).tolist() if reused[i] not in sinks]
+    want = sinks | set(order[:budget - len(sinks)]) if budget > len(sinks) else None
+    kept = set(res.recompute_idx.tolist()) & set(reused)
+    if want is not None:
+        assert kept == want
+    else:
+        assert kept <= sinks and len(kept) == budget
+    # the probe's ranking is the query's: plain query_attention's top rows (no sinks) lead it
+    top = set(engine.blend(plan_for(ids, spans, client, ratio=0.05, selection="query_attention",
+                                    sink_tokens=0)).recompute_idx.tolist()) & set(reused)
+    lead = {reused[i] for i in prior.argsort(descending=True)[:len(top)].tolist()}
+    assert top == lead
+
+
+def test_rank_fusion_at_ratio_one_is_full_prefill_and_changes_the_split(make_setup):
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+    res = engine.blend(plan_for(ids, spans, client, ratio=1.0, selection="query_k_deviation", rank_fusion=60))
+    full = engine.prefill(ids)
+    for got, want in zip(res.kv, full.kv, strict=True):
+        assert_close(got, want, **F32_TOL)
+    assert_close(res.logits, full.logits, **F32_TOL)
+
+    def rows(**kw):
+        return set(engine.blend(plan_for(ids, spans, client, ratio=0.3, selection="query_k_deviation",
+                                         sink_tokens=2, **kw)).recompute_idx.tolist())
+
+    assert rows(rank_fusion=1) != rows()  # not the half-and-half split
+    assert rows(rank_fusion=0) == rows()  # 0 is off
 
 
 def test_default_probe_layers_follow_depth():

@@ -83,3 +83,17 @@ def test_variants_run_each_query_selection_once_per_variant():
             parse_variant(bad)
     with pytest.raises(ValueError):
         modes_of([0.15], ["query_attention"], [parse_variant(["a"]), parse_variant(["a", "sink_tokens=2"])])
+
+
+def test_a_variant_that_names_a_selection_runs_under_that_selection_only():
+    from cluster.bench.blend_modes import modes_of, parse_variant
+
+    rrf = parse_variant(["rrf60", "selection=query_k_deviation", "rank_fusion=60"])
+    assert rrf == ("rrf60", (("selection", "query_k_deviation"), ("rank_fusion", 60)))
+    modes = modes_of([0.15], ["query_attention", "query_k_deviation"], [parse_variant(["base"]), rrf])
+    assert [m.name for m in modes] == ["query_attention+base@0.15", "query_k_deviation+base@0.15",
+                                       "query_k_deviation+rrf60@0.15"]
+    for bad in (["x", "rank_fusion=1.5"], ["x", "rank_fusion=-1"], ["x", "selection=nope"],
+                ["x", "selection=k_deviation"]):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
