@@ -55,7 +55,7 @@ class BlendConfig:
         "query_attention", "how reused tokens are chosen for recompute: k_deviation / v_deviation / kv_deviation "
         "(CacheBlend, at the check layers), query_attention (the query's attention on the cached "
         "context, before layer 0; check_layers and recompute_thresholds unused) or query_k_deviation "
-        "(half the budget by query attention, the rest by K deviation at the check layers)", None, SELECTIONS)
+        "(half the budget by query attention, the rest by K deviation at the check layers; rank_fusion: both rankings fused)", None, SELECTIONS)
     probe_layers: tuple[int, ...] = _f(
         (), "query_attention, query_k_deviation: 0-based layers whose query attention is summed (() = the model's "
         "layers at 1/4, 3/8 and 1/2 of its depth)", (0, 4096))

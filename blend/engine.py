@@ -18,7 +18,9 @@ deviation instead). With ``query_attention`` the rows are chosen once, before la
 probe of the query's attention over the cached context (:mod:`blend.query_selection`); then
 no layer computes every row and the check layers are not used. ``query_k_deviation`` is
 their union within the same budget: the probe chooses half of it before layer 0, every row
-is computed up to the check layers as in CacheBlend, and K deviation fills the rest there.
+is computed up to the check layers as in CacheBlend, and K deviation fills the rest there;
+with ``rank_fusion`` the check layers rank by the fusion of both rankings instead
+(:func:`blend.query_selection.fuse_ranks`).
 ``query_attention`` with ``query_funnel > 1`` probes a wider set and cuts it to the budget by
 K deviation at the first check layer (:func:`blend.query_selection.funnel`).
 Selection is one hook (:mod:`blend.engine_select`), ``_select`` at a check layer or

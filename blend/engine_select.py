@@ -66,12 +66,17 @@ class RowSelection:
         else:
             scores = self._ranks.sum_(ops.deviation_of(DEVIATIONS.get(plan.selection, "k"), k, v, kv, cand_local,
                                                   active[cand_local]))  # [Rc], summed over the ranks
-            fused = prior is not None and prior.numel() > 0 and plan.fusion_k is not None
-            if fused:  # rank fusion of the deviation and the probe's ranking
+            fusing = prior is not None and plan.fusion_k is not None  # rank fusion (its probe may be skipped)
+            fused = fusing and prior.numel() > 0
+            if fused:  # rank fusion of the deviation and the probe's ranking: scores in (0, 2/(k+1)]
                 scores = qs.fuse_ranks(scores, prior[active[cand_local]], plan.fusion_k)
-            if seed is not None:  # query_k_deviation: the probe's rows (fused: the sinks) rank first
-                scores[torch.isin(active[cand_local], seed)] = float("inf")
-            ranked = candidates is not None or fused  # a ranking without thresholds: the budget holds
+            if seed is not None:  # query_k_deviation: the probe's rows (fusing: the sinks) rank first
+                is_seed = torch.isin(active[cand_local], seed)
+                if fused:  # sinks above every other row, in their fused order (a budget below them)
+                    scores = torch.where(is_seed, scores + 2.0, scores)
+                else:
+                    scores[is_seed] = float("inf")
+            ranked = candidates is not None or fusing  # a ranking without thresholds: the budget holds
             threshold = plan.recompute_thresholds[i] if plan.recompute_thresholds and not ranked else None
             sel_local = ops.select_top_ratio(scores, plan.recompute_ratios[i], threshold, cand_local,
                                              num_reused=rows.num_reused)

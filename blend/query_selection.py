@@ -27,7 +27,9 @@ Our version (written for kvblend; :func:`select_rows`, which the engine's
    the cached KV of the rest; the probe's layer buffers are reused, no layer is read twice.
 
 In this mode ``check_layers`` and ``recompute_thresholds`` are not used (the ranking happens
-once, before layer 0); the ratio is the first of ``recompute_ratios``.
+once, before layer 0); the ratio is the first of ``recompute_ratios``. ``query_k_deviation``
+combines the probe with CacheBlend's check layers: half the budget each, or with
+``rank_fusion`` one ranking by :func:`fuse_ranks` of both.
 
 Axis letters as in :mod:`blend.protocols`; ``Q`` query rows, ``R`` reused rows.
 """

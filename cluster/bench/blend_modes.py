@@ -121,11 +121,20 @@ def modes_of(ratios: list[float], selections: list[str],
     one only.
 
     Raises:
-        ValueError: two variants of one name.
+        ValueError: two variants of one name, a variant whose selection is not run, or a
+            query-aware selection no variant runs under.
     """
     names = [name for name, _ in variants or ()]
     if len(set(names)) != len(names):
         raise ValueError(f"--variant names must differ: {names}")
+    if variants:  # a variant's selection must run, and every query-aware selection must get a variant
+        named = {dict(over).get("selection") for _, over in variants} - {None}
+        if named - set(selections):
+            raise ValueError(f"--variant names selection {sorted(named - set(selections))}, not in --selection")
+        bare = [s for s in selections if s.startswith("query_") and s not in named
+                and all("selection" in dict(over) for _, over in variants)]
+        if bare:
+            raise ValueError(f"no --variant runs under {bare}: give one without selection= or drop it from --selection")
     modes = []
     for r in ratios:
         if r == 0.0:

@@ -273,8 +273,32 @@ def test_rank_fusion_at_ratio_one_is_full_prefill_and_changes_the_split(make_set
         return set(engine.blend(plan_for(ids, spans, client, ratio=0.3, selection="query_k_deviation",
                                          sink_tokens=2, **kw)).recompute_idx.tolist())
 
-    assert rows(rank_fusion=1) != rows()  # not the half-and-half split
-    assert rows(rank_fusion=0) == rows()  # 0 is off
+    assert rows(rank_fusion=1) != rows()  # not the half-and-half split (rank_fusion=0: the test above)
+
+
+def test_rank_fusion_ignores_thresholds_when_its_probe_is_skipped_and_sinks_lead_in_fused_order(make_setup,
+                                                                                                 monkeypatch):
+    """A budget of every reused row skips the probe: thresholds still do not cut it. A budget
+    below the sinks keeps the sinks the fusion ranks highest (not an arbitrary subset)."""
+    import blend.query_selection as qs
+
+    engine, client, chunks = _setup(make_setup, num_chunks=4, chunk_len=30)
+    ids, spans = blend_prompt([1, 2, 3], chunks, [4, 5, 6, 9, 10])
+    res = engine.blend(plan_for(ids, spans, client, ratio=1.0, selection="query_k_deviation", rank_fusion=60,
+                                thresholds=(1e9,)))
+    assert res.counters.selected_tokens == res.counters.reused_tokens == 120
+    seen = []
+    real = qs.fuse_ranks
+    monkeypatch.setattr(qs, "fuse_ranks", lambda a, b, k: seen.append(real(a, b, k)) or seen[-1])
+    res = engine.blend(plan_for(ids, spans, client, ratio=0.05, selection="query_k_deviation", sink_tokens=4,
+                                rank_fusion=60))
+    budget = num_to_select(120, 0.05)  # 6 of 16 sinks
+    chunk_rows = [list(range(s, e)) for kind, s, e in spans if kind == "chunk"]
+    reused = [r for rows in chunk_rows for r in rows]
+    sinks = [i for i, r in enumerate(reused) if any(r in rows[:4] for rows in chunk_rows)]
+    fused, = seen
+    want = {reused[i] for i in sorted(sinks, key=lambda i: -float(fused[i]))[:budget]}
+    assert set(res.recompute_idx.tolist()) & set(reused) == want
 
 
 def test_default_probe_layers_follow_depth():

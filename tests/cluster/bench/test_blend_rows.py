@@ -97,3 +97,7 @@ def test_a_variant_that_names_a_selection_runs_under_that_selection_only():
                 ["x", "selection=k_deviation"]):
         with pytest.raises(ValueError):
             parse_variant(bad)
+    with pytest.raises(ValueError, match="not in --selection"):
+        modes_of([0.15], ["query_attention"], [rrf])
+    with pytest.raises(ValueError, match="no --variant runs under"):
+        modes_of([0.15], ["query_attention", "query_k_deviation"], [rrf])
