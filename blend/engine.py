@@ -77,7 +77,6 @@ from blend.rows import (
     recompute_lost,
     request_rows,
     start_fetch,
-    to_device,
     unreadable_hits,
 )
 from blend.steps import run_steps, timed_steps, wait_for_device
@@ -357,8 +356,7 @@ class BlendEngine(RowSelection):
                 active, probed, seed, prior = yield from self._select_by_query(plan, rows, pending, positions,
                                                                                counters)
                 if qs.funnel(plan):  # the check layer ranks the probe's rows; the sinks stay
-                    sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, num_tokens)
-                    candidates, seed = seed, to_device({"sinks": sinks}, model.device)["sinks"]
+                    candidates, seed = seed, self._sink_seed(plan, rows)
             hidden, residual = model.embed(ids if active is positions else ids[active]), None  # [A, E]
             for layer_idx in range(self.spec.num_layers):
                 q, k, v, residual = model.qkv(layer_idx, hidden, residual,

@@ -89,6 +89,12 @@ class RowSelection:
         keep[sel_local] = True
         return torch.nonzero(keep).flatten()  # [A'] into active
 
+    def _sink_seed(self, plan: BlendPlan, rows: RequestRows) -> torch.Tensor:
+        """``[S]`` int64 prompt rows, on the model's device, of every hit chunk's first
+        ``sink_tokens``: the rows a query funnel or rank fusion keeps first at its check layer."""
+        sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, plan.blend_end)
+        return to_device({"sinks": sinks}, self.model.device)["sinks"]
+
     def _query_mode(self, plan: BlendPlan, rows: RequestRows, counters: BlendCounters) -> bool:
         """Whether this request selects by query attention (:mod:`blend.query_selection`) and
         ``counters.selection``: the mode that chose its rows (``""`` without hits, ``forced``
@@ -135,8 +141,7 @@ class RowSelection:
         if probed:
             counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
         if fused:  # the check layers rank every reused row by both; the sinks stay first
-            sinks = qs.sink_rows_of(rows.hits, plan.sink_tokens, plan.blend_end)
-            return positions, probed, to_device({"sinks": sinks}, self.model.device)["sinks"], selected
+            return positions, probed, self._sink_seed(plan, rows), selected
         counters.selected_tokens = int(selected.numel())
         if union or selected.numel() == rows.num_reused:  # every row is computed
             return positions, probed, selected, None
