@@ -81,6 +81,10 @@ class BlendConfig:
     compile_layers: bool = _f(
         True, "on CUDA, torch.compile the fused Llama layers a vLLM worker blends with, once, when the worker "
         "registers its KV caches (before the first request); off, or on CPU: eager")
+    probe_graph_tokens: int = _f(
+        0, "on CUDA, the query probe's layers as CUDA graphs for prompts up to this many tokens: one per layer "
+        "and shape bucket, captured when the worker registers its KV caches (a request never captures; a longer "
+        "prompt probes eagerly); 0 = off", (0, 10**7))
     load_timeout_s: float = _f(
         DEFAULT_LOAD_TIMEOUT_S, "seconds the blend waits for a cached layer once it needs it; past that the request is "
         "recomputed by full prefill (counted as a fallback)", (0.01, 3600.0))

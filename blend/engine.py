@@ -112,6 +112,9 @@ class BlendEngine(RowSelection):
             None: no tensor parallelism.
         load_timeout_s: longest wait for one cached layer once the blend needs it; past it the
             request is recomputed (``BlendConfig.load_timeout_s``, issue 20).
+        probe_graphs: a :class:`blend.probe_graphs.ProbeGraphs` of this model: the query probe
+            replays the layers of its prepared buckets (not with a ``process_group``); None:
+            the probe runs eagerly.
 
     Re-rotation of cached K uses the model's ``inv_freq`` ``[D/2]`` when it has one, else
     :func:`blend.rope.inv_freq_for` of its spec (what :meth:`BlendModel.rotate_k` uses).
@@ -122,13 +125,14 @@ class BlendEngine(RowSelection):
 
     def __init__(self, model: BlendModel, source: KVSource | None = None, *,
                  process_group: torch.distributed.ProcessGroup | None = None,
-                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> None:
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S, probe_graphs=None) -> None:
         self.model = model
         self.source = source
         self.spec = model.spec
         self.scale = float(getattr(model, "scale", self.spec.head_dim ** -0.5))
         self.process_group = process_group
         self.load_timeout_s = load_timeout_s
+        self.probe_graphs = probe_graphs
         self._ranks = RankGroup(process_group, model.device)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 

@@ -35,7 +35,7 @@ QUERY_SELECTIONS = ("query_attention", "query_k_deviation")
 
 class RowSelection:
     """The selection hooks of :class:`blend.engine.BlendEngine` (uses its ``model``, ``scale``,
-    ``process_group``, ``_ranks`` and ``_cached_layer``)."""
+    ``process_group``, ``_ranks``, ``probe_graphs`` and ``_cached_layer``)."""
 
     def _select(self, plan: BlendPlan, rows: RequestRows, layer_idx: int, active: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, counters: BlendCounters,
@@ -137,7 +137,8 @@ class RowSelection:
             probe_plan = dataclasses.replace(plan, recompute_ratios=(probe_ratio,) * len(plan.check_layers))
         selected, probed = yield from qs.select_rows(
             self.model, probe_plan, rows, lambda i, n: self._cached_layer(rows, pending, i, counters, n), self.scale,
-            self._ranks.sum_ if self.process_group is not None else None, scores_only=fused)
+            self._ranks.sum_ if self.process_group is not None else None, scores_only=fused,
+            graphs=self.probe_graphs if self.process_group is None else None)
         if probed:
             counters.probe_s = time.perf_counter() - t0 - (counters.load_wait_s - waited)
         if fused:  # the check layers rank every reused row by both; the sinks stay first

@@ -35,7 +35,7 @@ from blend.selection import num_to_select, top_n_indices
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RowMask", "build_block_mask", "causal_attention", "deviation_scores", "gather_paged", "prepare_rows",
+__all__ = ["RowMask", "build_block_mask", "causal_attention", "deviation_scores", "gather_paged", "pad_rows", "prepare_rows",
            "rerotate_k_", "scatter_paged", "select_top_ratio", "selected_row_attention",
            "selected_row_attention_reference"]
 
@@ -284,13 +284,13 @@ def prepare_rows(q_pos: torch.Tensor, num_kv: int, kv_pos: torch.Tensor | None =
     if kv_pos is not None and kv_pos.shape != (num_kv,):
         raise ValueError(f"kv_pos must be [{num_kv}], got {tuple(kv_pos.shape)}")
     num_q = q_pos.numel()
-    padded = _pad_rows(q_pos.to(torch.int64), shape_bucket(num_q))
+    padded = pad_rows(q_pos.to(torch.int64), shape_bucket(num_q))
     kv_len = shape_bucket(int(num_kv))
     mask = build_block_mask(padded, _pad_keys(kv_pos, kv_len, q_pos.device), kv_len)
     return RowMask(padded, num_q, int(num_kv), mask, kv_len)
 
 
-def _pad_rows(q_pos: torch.Tensor, length: int) -> torch.Tensor:
+def pad_rows(q_pos: torch.Tensor, length: int) -> torch.Tensor:
     """Query positions ``[Q]`` padded to ``length``: the last real 128-row tile repeats its
     last position; whole padded tiles get position 0 (they read one key block: nearly free)."""
     tile = -(-q_pos.numel() // FLEX_BLOCK) * FLEX_BLOCK
@@ -358,7 +358,7 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
         k = F.pad(k, (0, 0, 0, 0, 0, kv_len - num_kv))
         v = F.pad(v, (0, 0, 0, 0, 0, kv_len - num_kv))
     if rows is None:
-        q_pos = _pad_rows(q_pos.to(device, torch.int64), num_q_pad)
+        q_pos = pad_rows(q_pos.to(device, torch.int64), num_q_pad)
         block_mask = build_block_mask(q_pos, _pad_keys(kv_pos, kv_len, device), kv_len)
     else:
         q_pos, block_mask = rows.q_pos_padded, rows.block_mask

@@ -73,7 +73,7 @@ def probe_layers_for(requested: tuple[int, ...], num_layers: int) -> tuple[int, 
 
 
 def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, scale: float,
-                         v: torch.Tensor | None = None) -> torch.Tensor:
+                         v: torch.Tensor | None = None, row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Attention weight the query rows put on each key, summed over query rows and heads.
 
     Each query row attends causally (keys at positions ``<= q_pos``); key ``t`` sits at
@@ -91,6 +91,8 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
         v: ``[T, H, D]`` the layer's values, or None. Given, each weight is multiplied by the
             L2 norm of the value it reads (what the token adds to the query's output; attention
             sinks draw large weights but carry near-zero values).
+        row_weight: ``[Q]`` float32 factor on each query row's weights, or None (the probe's
+            CUDA graphs pass 1 for real query rows and 0 for the rows padding a bucket).
 
     Returns:
         ``[T]`` float32; without ``v`` it sums to ``Q * Hq``.
@@ -101,8 +103,8 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
     if q.dim() != 3 or k.dim() != 3 or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [Q, Hq, D] and k [T, H, D] with Hq a multiple of H; got "
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
-    if q_pos.shape != (q.shape[0],):
-        raise ValueError(f"q_pos must be [{q.shape[0]}], got {tuple(q_pos.shape)}")
+    if q_pos.shape != (q.shape[0],) or (row_weight is not None and row_weight.shape != (q.shape[0],)):
+        raise ValueError(f"q_pos (and row_weight) must be [{q.shape[0]}], got {tuple(q_pos.shape)}")
     (num_keys, num_kv_heads, head_dim), group = k.shape, q.shape[1] // k.shape[1]
     kh = k.to(torch.float32).transpose(0, 1)  # [H, T, D]
     vnorm = None if v is None else v.to(torch.float32).norm(dim=-1).transpose(0, 1)  # [H, T]
@@ -118,6 +120,8 @@ def query_attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, 
         weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)  # [H, G, Qb, T]
         if vnorm is not None:
             weights = weights * vnorm[:, None, None, :]
+        if row_weight is not None:
+            weights = weights * row_weight[start:start + rows][None, None, :, None]
         mass += weights.sum(dim=(0, 1, 2))
     return mass
 
@@ -271,7 +275,7 @@ def chunk_index(hits, reused_rows: torch.Tensor) -> dict[str, torch.Tensor]:
 def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, num_query_rows: int,
                      probe_layers: tuple[int, ...], cached_layer: Callable[[int, int], torch.Tensor],
                      scale: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                     skip: torch.Tensor | None = None,
+                     skip: torch.Tensor | None = None, graphs=None,
                      ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
     """Step 1 of the module docstring: run the always-computed rows through layers
     ``0 .. max(probe_layers)`` over the cached KV and add up the query rows' attention; a
@@ -300,6 +304,9 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
         reduce: sums a ``[T]`` tensor over tensor-parallel ranks (each holds its own heads).
         skip: ``[T]`` bool rows to leave out (never reused rows nor query rows), or None; best
             on the CPU, as ``is_reused``.
+        graphs: a :class:`blend.probe_graphs.ProbeGraphs` whose prepared bucket, when there is
+            one for this probe's rows and keys, replays each layer's work (the same results);
+            None or no bucket: every layer runs eagerly.
         Each weight is multiplied by the norm of the value it reads (:func:`query_attention_mass`).
 
     Returns:
@@ -327,6 +334,22 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
     mass = torch.zeros(num_tokens, dtype=torch.float32, device=token_ids.device)
     buffers: dict[int, torch.Tensor] = {}
     last = probe_layers[-1]
+    num_keys = num_tokens if kept is None else kept.numel()
+    bucket = None if graphs is None else graphs.ready(active.numel(), num_keys, probe_layers)
+    if bucket is not None:  # each layer replayed from the bucket's graph
+        graphs.begin(bucket, hidden, active_rows, active, num_query_rows, num_keys)
+        for layer_idx in range(last + 1):
+            full = cached_layer(layer_idx, num_tokens)
+            k, v = graphs.layer(bucket, layer_idx, full if kept is None else full[:, kept])
+            full[0, active_rows] = k
+            full[1, active_rows] = v
+            buffers[layer_idx] = full
+            yield layer_idx
+        if kept is None:
+            mass += graphs.mass(bucket)
+        else:
+            mass[kept] += graphs.mass(bucket)
+        return (mass if reduce is None else reduce(mass)), buffers
     for layer_idx in range(last + 1):
         full = cached_layer(layer_idx, num_tokens)
         kv = full if kept is None else full[:, kept]  # [2, T', H, D]
@@ -353,7 +376,7 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
 
 def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tensor], scale: float,
                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *, scores_only: bool = False,
-                ) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+                graphs=None) -> Generator[int, None, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
     """Steps 1-2 of the module docstring for one request, a step per probe layer: returns
     ``(selected, probed)``, the ``[S]`` int64 reused rows to recompute and the probe's layer
     buffers (empty when the probe was skipped: ratio 0, or a budget that takes every reused
@@ -363,7 +386,7 @@ def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tens
         model: the :class:`~blend.protocols.BlendModel`.
         plan: the :class:`~blend.plan.BlendPlan` (``query_rows`` must not be None).
         rows: its :class:`~blend.rows.RequestRows`.
-        cached_layer, scale, reduce: as :func:`probe_query_mass`.
+        cached_layer, scale, reduce, graphs: as :func:`probe_query_mass`.
         scores_only: return the probe's ranking instead of a selection: ``selected`` is then
             ``[T]`` float32 over the prompt rows, :func:`query_row_scores` on the reused rows
             and ``-inf`` elsewhere (rank fusion ranks it at the check layers); with the probe
@@ -394,7 +417,7 @@ def select_rows(model, plan, rows, cached_layer: Callable[[int, int], torch.Tens
     dev = to_device(host, device)
     layers = probe_layers_for(plan.probe_layers, model.spec.num_layers)
     mass, probed = yield from probe_query_mass(model, dev["ids"], is_reused, end - start, layers, cached_layer,
-                                               scale, reduce, skip=missed)
+                                               scale, reduce, skip=missed, graphs=graphs)
     if scores_only:
         prior = torch.full((num_tokens,), float("-inf"), dtype=torch.float32, device=device)
         prior[reused_rows] = query_row_scores(mass, reused_rows, dev.get("chunk_of"), dev.get("chunk_first"),

@@ -124,6 +124,11 @@ class GpuBench:
         self.sink_tokens = BlendConfig().sink_tokens
         self._set_attention(args.attention)
         self._build_chunks(max(lengths))
+        self.graphs = None  # the query probe's CUDA graphs, one set for the model (--probe-graphs)
+        if getattr(args, "probe_graphs", "off") != "off":
+            from blend.probe_graphs import ProbeGraphs
+
+            self.graphs = ProbeGraphs(self.adapter, BlendEngine(self.adapter).scale, max(lengths) + 64)
 
     # ------------------------------------------------------------------ setup
     def _set_attention(self, which: str) -> None:
@@ -218,11 +223,14 @@ class GpuBench:
             times.append(time.perf_counter() - t0)
         return {"median": statistics.median(times), "min": min(times), "max": max(times)}, last
 
-    def _blend_fn(self, plan, tier: str, num_chunks: int):
+    def _blend_fn(self, plan, tier: str, num_chunks: int, graphs: bool | None = None):
         """One request as the worker serves it: lookup through the source, then the blend
-        (every cached layer asked for at its start), to first-token logits."""
+        (every cached layer asked for at its start), to first-token logits; ``graphs``: with
+        the probe's CUDA graphs (default: ``--probe-graphs on``)."""
         source = self.sources[tier]
-        engine = self.BlendEngine(self.adapter, source)
+        if graphs is None:
+            graphs = getattr(self.args, "probe_graphs", "off") == "on"
+        engine = self.BlendEngine(self.adapter, source, probe_graphs=self.graphs if graphs else None)
         keys = self.keys[:num_chunks]
         disk_files = [self.disk_tier._file(k) for k in keys]  # noqa: SLF001 - bench only
 
@@ -250,7 +258,8 @@ class GpuBench:
         ids_t = torch.tensor([ids], device=self.device)
         with torch.no_grad():
             full_hf, _ = self._timed(lambda: self.hf_model(ids_t, use_cache=False, logits_to_keep=1), repeats)
-        row = {"tokens": len(ids), "num_chunks": num_chunks, "repeats": repeats,
+        prepared = self._prepare_graphs(plan)
+        row = {"tokens": len(ids), "num_chunks": num_chunks, "repeats": repeats, "probe_graphs": prepared,
                "full_s": full["median"], "full_min_s": full["min"], "full_max_s": full["max"],
                "full_hf_s": full_hf["median"], "disk_raw_gbps": self._disk_raw_gbps(num_chunks),
                "by_ratio": {}}
@@ -284,6 +293,8 @@ class GpuBench:
             cell["probe_s"] = results["gpu"].counters.probe_s
             cell["selections"] = {sel: self._measure_selection(length, ratio, sel, num_chunks, full["median"])
                                   for sel in self.selections[1:]}
+            if getattr(self.args, "probe_graphs", "off") == "both":
+                cell["with_probe_graphs"] = self._measure_graphs(plan, num_chunks, full["median"])
             cell["pinned_chunks"] = pinned.stats()["num_chunks"] if pinned is not None else 0
             disk = self.sources["disk"].reader  # a staging source on CUDA, the client elsewhere
             cell["disk_read_counters"] = (disk.read_counters.snapshot() if hasattr(disk, "read_counters")
@@ -316,6 +327,52 @@ class GpuBench:
                     self._set_attention(self.args.attention)
             row["by_ratio"][str(ratio)] = cell
         return row
+
+    def _prepare_graphs(self, plan) -> dict | None:
+        """Capture the probe's graphs for this prompt's bucket (``--probe-graphs``), before any
+        timing: seconds, device memory it took, the bucket (None without graphs)."""
+        if self.graphs is None:
+            return None
+        from blend.query_selection import probe_layers_for
+
+        torch = self.torch
+        reused = sum(s.end - s.start for s in plan.hit_segments)
+        layers = probe_layers_for(plan.probe_layers, self.spec.num_layers)
+        before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        t0 = time.perf_counter()
+        ok = self.graphs.prepare(plan.blend_end - reused, plan.blend_end, layers)
+        seconds = time.perf_counter() - t0
+        after = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        return {"ready": ok, "prepare_s": seconds, "reserved_bytes_added": after - before,
+                "rows": plan.blend_end - reused, "probe_layers": list(layers), **self.graphs.stats()}
+
+    def _measure_graphs(self, plan, num_chunks: int, full_s: float) -> dict:
+        """The gpu and hot host tiers with and without the probe's graphs, run by run
+        alternately (one warm-up each), medians of ``--repeats`` with min and max."""
+        out: dict = {}
+        for tier in ("gpu", "host"):
+            fns = {"off": self._blend_fn(plan, tier, num_chunks, graphs=False),
+                   "on": self._blend_fn(plan, tier, num_chunks, graphs=True)}
+            times: dict = {"off": [], "on": []}
+            probe: dict = {}
+            for fn in fns.values():
+                fn()
+            for _ in range(self.args.repeats):
+                for name, fn in fns.items():
+                    self._sync()
+                    t0 = time.perf_counter()
+                    res = fn()
+                    self._sync()
+                    times[name].append(time.perf_counter() - t0)
+                    probe[name] = res.counters.probe_s
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                out[f"blend_{tier}_{name}_s"] = med
+                out[f"blend_{tier}_{name}_min_s"], out[f"blend_{tier}_{name}_max_s"] = min(ts), max(ts)
+                out[f"ratio_{tier}_{name}"] = med / full_s
+                out[f"probe_{tier}_{name}_s"] = probe[name]
+        out["graphs"] = self.graphs.stats() if self.graphs is not None else None
+        return out
 
     def _measure_selection(self, length: int, ratio: float, selection: str, num_chunks: int,
                            full_s: float) -> dict:

@@ -125,8 +125,24 @@ class KVBlendWorker:
                     gpu_bytes=int(self.config.tiers.gpu_size_gib * 2**30),
                     policy=self.config.tiers.eviction_policy,
                     pinned_bytes=int(self.config.tiers.pinned_size_gib * 2**30))
-                self._engine = BlendEngine(adapter, self._source, load_timeout_s=self.config.blend.load_timeout_s)
+                engine = BlendEngine(adapter, self._source, load_timeout_s=self.config.blend.load_timeout_s)
+                engine.probe_graphs = self._probe_graphs(adapter, engine.scale, on_cuda)
+                self._engine = engine
             return self._engine
+
+    def _probe_graphs(self, adapter, scale: float, on_cuda: bool):
+        """The query probe's CUDA graphs (``blend.probe_graph_tokens`` > 0, on CUDA), every
+        bucket captured now, at start-up; None when off."""
+        tokens = self.config.blend.probe_graph_tokens
+        if not (on_cuda and tokens > 0):
+            return None
+        from blend.probe_graphs import ProbeGraphs
+        from blend.query_selection import probe_layers_for
+
+        graphs = ProbeGraphs(adapter, scale, tokens)
+        seconds = graphs.prepare_all(probe_layers_for(self.config.blend.probe_layers, adapter.spec.num_layers))
+        log.info("captured the query probe's CUDA graphs in %.1f s: %s", seconds, graphs.stats())
+        return graphs
 
     def _canonical_kv(self, ids: list[int]) -> torch.Tensor:
         """KV of ``ids`` alone at positions ``0..n-1``, ``[L, 2, T, H, D]`` on the CPU."""
