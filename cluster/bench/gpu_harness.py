@@ -14,10 +14,11 @@ Only the standard library is imported at module level.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import tempfile
 import time
+
+from cluster.bench import gpu_ceilings as ceilings
 
 log = logging.getLogger(__name__)
 
@@ -35,29 +36,6 @@ QUERY_TOKENS = 32
 def _num_chunks(length: int, chunk_tokens: int) -> int:
     """Chunks (each after a 1-token separator) that bring the prompt closest to ``length``."""
     return max(1, round((length - PREFIX_TOKENS - QUERY_TOKENS - 1) / (chunk_tokens + 1)))
-
-
-def _drop_page_cache(paths: list[str], how: str) -> str:
-    if how == "keep":
-        return "kept (warm page cache)"
-    if how == "drop":
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-            return "dropped (drop_caches)"
-        except OSError:
-            pass
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except (OSError, AttributeError):
-            return "not dropped (no drop_caches, no fadvise)"
-    return "fadvise DONTNEED per file" + (" (drop_caches not allowed)" if how == "drop" else "")
 
 
 class GpuBench:
@@ -237,7 +215,7 @@ class GpuBench:
         def fn():
             if tier == "disk":
                 self._sync()
-                self.page_cache = _drop_page_cache(disk_files, self.args.page_cache)
+                self.page_cache = ceilings.drop_page_cache(disk_files, self.args.page_cache)
             metas = source.lookup(keys)
             if any(m is None for m in metas):
                 raise RuntimeError(f"{tier} tier lost chunks")
@@ -390,69 +368,16 @@ class GpuBench:
         return out
 
     def _disk_raw_gbps(self, num_chunks: int) -> float:
-        """GB/s of reading the chunk files whole (8 threads, page cache dropped as for the
-        disk runs, no checksums): the disk's own ceiling for the disk tier."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        paths = [self.disk_tier._file(k) for k in self.keys[:num_chunks]]  # noqa: SLF001 - bench only
-        _drop_page_cache(paths, self.args.page_cache)
-
-        def read(path: str) -> int:
-            with open(path, "rb", buffering=0) as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
-                return f.readinto(buf)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(8) as pool:
-            total = sum(pool.map(read, paths))
-        return total / (time.perf_counter() - t0) / 1e9
+        return ceilings.disk_raw_gbps([self.disk_tier._file(k) for k in self.keys[:num_chunks]],  # noqa: SLF001
+                                      self.args.page_cache)
 
     def _h2d_baseline(self, nbytes: int, num_copies: int) -> float:
-        """GB/s of ``num_copies`` pinned ``copy_`` of ``nbytes`` each, on a side stream."""
-        torch = self.torch
-        if nbytes <= 0:
-            return 0.0
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        best = 0.0
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                start.record()
-                for _ in range(num_copies):
-                    dst.copy_(src, non_blocking=True)
-                end.record()
-            end.synchronize()
-            best = max(best, nbytes * num_copies / (start.elapsed_time(end) / 1e3) / 1e9)
-        return best
+        return ceilings.h2d_baseline_gbps(self.device, nbytes, num_copies)
 
     def profile(self, length: int, path: str) -> dict:
-        """Profile one host-tier blend at ``length`` (ratio 0.15 when timed): tables to
-        ``path``; returns where its time went (wall, device busy, launches, syncs)."""
-        torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
-
+        """Profile one host-tier blend at ``length`` (:func:`cluster.bench.gpu_ceilings.profile_blend`)."""
         plan, num_chunks = self._plan(length, 0.15 if 0.15 in self.ratios else self.ratios[0])
-        fn = self._blend_fn(plan, "host", num_chunks)
-        fn()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            self._sync()
-            t0 = time.perf_counter()
-            fn()
-            self._sync()
-            wall = time.perf_counter() - t0
-        table = prof.key_averages()
-        summary = _profile_summary(table, wall)
-        with open(path, "w") as f:
-            f.write(f"one host-tier blend at {length} tokens: {summary}\n\n== by self CPU time ==\n")
-            f.write(table.table(sort_by="self_cpu_time_total", row_limit=30))
-            if self.device.type == "cuda":
-                f.write("\n\n== by device time ==\n")
-                f.write(table.table(sort_by="self_device_time_total", row_limit=30))
-        del torch
-        return summary
+        return ceilings.profile_blend(self._blend_fn(plan, "host", num_chunks), self._sync, self.device, length, path)
 
     def close(self) -> None:
         for src in self.sources.values():
@@ -477,18 +402,3 @@ def _check_model(fast, hf_model, torch, device) -> dict:
         want = hf_model(torch.tensor([ids], device=device), use_cache=False).logits[0, -1].double()
     return {"rel_err": float((got - want).norm() / want.norm()),
             "argmax_match": bool(int(got.argmax()) == int(want.argmax()))}
-
-
-_SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
-_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-
-
-def _profile_summary(table, wall_s: float) -> dict:
-    """Wall seconds, device-busy seconds (sum of kernel and copy self time on the device),
-    kernel launches and host syncs of one profiled run (``key_averages()`` rows)."""
-    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in table)
-    launches = sum(e.count for e in table if e.key in _LAUNCHES)
-    syncs = sum(e.count for e in table if e.key in _SYNCS)
-    return {"wall_s": wall_s, "device_busy_s": busy_us / 1e6,
-            "device_idle_s": max(0.0, wall_s - busy_us / 1e6),
-            "kernel_launches": launches, "host_syncs": syncs}

@@ -72,7 +72,7 @@ class _Placements:
     """The sources of every placement and what resets each before a run."""
 
     def __init__(self, bench) -> None:
-        from cluster.bench.gpu_harness import _drop_page_cache
+        from cluster.bench.gpu_ceilings import drop_page_cache
         from cluster.cache.local import LocalCacheClient
         from cluster.vllm.worker_source import build_worker_source
         from cluster.workloads.faults import ThrottledTier
@@ -80,7 +80,7 @@ class _Placements:
         from tiers.host import HostTier
         from tiers.stack import TierStack
 
-        self.bench, self._drop = bench, _drop_page_cache
+        self.bench, self._drop = bench, drop_page_cache
         dev, L = bench.device, bench.spec.num_layers
         host_client = bench.sources["host"].client
         disk_client = bench.sources["disk"].client
