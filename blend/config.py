@@ -84,7 +84,7 @@ class BlendConfig:
     probe_graph_tokens: int = _f(
         0, "on CUDA, the query probe's layers as CUDA graphs for prompts up to this many tokens: one per layer "
         "and shape bucket, captured when the worker registers its KV caches (a request never captures; a longer "
-        "prompt probes eagerly); 0 = off", (0, 10**7))
+        "prompt probes eagerly); 0 = off", (0, 262144))
     load_timeout_s: float = _f(
         DEFAULT_LOAD_TIMEOUT_S, "seconds the blend waits for a cached layer once it needs it; past that the request is "
         "recomputed by full prefill (counted as a fallback)", (0.01, 3600.0))

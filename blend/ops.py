@@ -153,10 +153,12 @@ def _pad(x: torch.Tensor, length: int, value: int | None) -> torch.Tensor:
     return torch.cat((x, fill))
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def _key_positions(num_kv: int, block_size: int, device: torch.device) -> torch.Tensor:
     """Positions ``[Tp]`` of keys ``0..T-1`` padded to whole blocks with a position no query
-    reaches (what ``mask_mod`` reads), cached per ``(T, block, device)``."""
+    reaches (what ``mask_mod`` reads), cached per ``(T, block, device)`` and never evicted:
+    a captured CUDA graph (:mod:`blend.probe_graphs`) reads it by address. ``T`` takes the
+    bounded set of :func:`shape_bucket` values (16 up to 32K tokens, 256 KiB at most each)."""
     nkb = -(-num_kv // block_size)
     kp = torch.arange(nkb * block_size, device=device, dtype=torch.int64)
     kp[num_kv:] = _NEVER
@@ -368,6 +370,8 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
     try:
         out = _compiled_flex()(qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=True)
     except Exception as e:  # noqa: BLE001 - no compiler / unsupported shape: stay correct
+        if q_sel.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise  # a CUDA graph's capture failed (blend.probe_graphs), not FlexAttention
         _FLEX_BROKEN.append(f"{type(e).__name__}: {e}")
         log.warning("FlexAttention unavailable (%s: %s); using the SDPA reference", type(e).__name__, e)
         return selected_row_attention_reference(q_sel[:num_q], q_pos[:num_q], k, v, kv_pos, scale)

@@ -17,7 +17,10 @@ work is captured once per shape bucket and replayed with one call:
 A bucket is ``(shape_bucket(A), shape_bucket(T'), probe_layers)``: rows and keys padded as
 FlexAttention already pads them (:func:`blend.ops.shape_bucket`). Pad rows repeat the last
 real row (finite everywhere), write their K/V to a trash row past the keys, and carry weight 0
-in the mass; pad keys are zeros no query sees. Every real row's result is the eager probe's.
+in the mass; pad keys are zeros no query sees. Every real row's result is the eager probe's up
+to the rounding of GEMMs over more rows (a CUDA library may pick another kernel for 128 rows
+than for 65). A bucket serves one request's probe at a time (:meth:`ProbeGraphs.release`); a
+second request probing meanwhile (a vLLM worker interleaves blends) runs eagerly.
 
 Buckets are captured by :meth:`ProbeGraphs.prepare` (at start-up: the vLLM worker, the
 benchmark before timing; the time and the memory are reported), never inside a request: a
@@ -65,6 +68,7 @@ class _Bucket:
     graphs: list = field(default_factory=list)  # per layer: a CUDAGraph (None: run the step)
     num_rows: int = 0         # real rows of the current request (A)
     num_keys: int = 0         # real keys of the current request (T')
+    busy: bool = False        # a request's probe holds the buffers (begin .. release)
 
 
 class ProbeGraphs:
@@ -103,15 +107,17 @@ class ProbeGraphs:
 
     def ready(self, num_rows: int, num_keys: int, probe_layers: tuple[int, ...]) -> _Bucket | None:
         """The prepared bucket for a probe of ``num_rows`` rows over ``num_keys`` keys, or None
-        (not prepared, too long, or graphs broken): the caller then runs the eager probe."""
+        (not prepared, too long, graphs broken, or held by another request's probe: a vLLM
+        worker interleaves blends layer by layer): the caller then runs the eager probe."""
         if self.broken is not None or num_rows <= 0 or num_keys <= 0:
             return None
-        return self._buckets.get(self.key(num_rows, num_keys, probe_layers))
+        bucket = self._buckets.get(self.key(num_rows, num_keys, probe_layers))
+        return None if bucket is None or bucket.busy else bucket
 
     def stats(self) -> dict:
         """Buckets prepared, seconds spent preparing, layers run from a bucket, staging bytes, why off."""
         staging = 0 if self._staging is None else self._staging.numel() * self._staging.element_size()
-        return {"buckets": sorted(k[:2] for k in self._buckets), "prepare_s": self.prepare_s,
+        return {"buckets": sorted([k[0], k[1]] for k in self._buckets), "prepare_s": self.prepare_s,
                 "layer_runs": self.layer_runs, "staging_bytes": staging, "broken": self.broken}
 
     def prepare_all(self, probe_layers: tuple[int, ...], row_buckets=ROW_BUCKETS) -> float:
@@ -148,6 +154,7 @@ class ProbeGraphs:
                 bucket.graphs = [None] * (last + 1)
         except Exception as e:  # noqa: BLE001 - a capture that fails: the eager probe, logged once
             self.broken = f"{type(e).__name__}: {e}"
+            self._buckets.clear()  # their graphs and buffers are freed; staging stays (small)
             log.warning("CUDA graphs of the query probe are off (%s); the probe runs eagerly", self.broken)
             return False
         finally:
@@ -214,6 +221,9 @@ class ProbeGraphs:
         a = hidden.shape[0]
         if not 0 < a <= b.rows or num_keys > b.keys or num_query_rows > a:
             raise ValueError(f"{a} rows over {num_keys} keys do not fit bucket ({b.rows}, {b.keys})")
+        if b.busy:
+            raise RuntimeError("the bucket is held by another request's probe")
+        b.busy = True
         b.num_rows, b.num_keys = a, num_keys
         b.hidden[:a].copy_(hidden)
         b.hidden[a:].copy_(hidden[-1:].expand(b.rows - a, -1))
@@ -244,8 +254,14 @@ class ProbeGraphs:
         return b.fresh_k[:b.num_rows], b.fresh_v[:b.num_rows]
 
     def mass(self, b: _Bucket) -> torch.Tensor:
-        """``[T']`` float32 the query rows' attention mass summed over the probe layers."""
+        """``[T']`` float32 the query rows' attention mass summed over the probe layers (a view
+        of a static buffer: use it before :meth:`release`)."""
         return b.mass[:b.num_keys]
+
+    @staticmethod
+    def release(b: _Bucket) -> None:
+        """The request's probe is done with the bucket (finished, failed or abandoned)."""
+        b.busy = False
 
     def _step(self, b: _Bucket, layer_idx: int) -> None:
         """One layer's work over the static buffers (what a graph records)."""

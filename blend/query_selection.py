@@ -338,17 +338,20 @@ def probe_query_mass(model, token_ids: torch.Tensor, is_reused: torch.Tensor, nu
     bucket = None if graphs is None else graphs.ready(active.numel(), num_keys, probe_layers)
     if bucket is not None:  # each layer replayed from the bucket's graph
         graphs.begin(bucket, hidden, active_rows, active, num_query_rows, num_keys)
-        for layer_idx in range(last + 1):
-            full = cached_layer(layer_idx, num_tokens)
-            k, v = graphs.layer(bucket, layer_idx, full if kept is None else full[:, kept])
-            full[0, active_rows] = k
-            full[1, active_rows] = v
-            buffers[layer_idx] = full
-            yield layer_idx
-        if kept is None:
-            mass += graphs.mass(bucket)
-        else:
-            mass[kept] += graphs.mass(bucket)
+        try:
+            for layer_idx in range(last + 1):
+                full = cached_layer(layer_idx, num_tokens)
+                k, v = graphs.layer(bucket, layer_idx, full if kept is None else full[:, kept])
+                full[0, active_rows] = k
+                full[1, active_rows] = v
+                buffers[layer_idx] = full
+                yield layer_idx
+            if kept is None:
+                mass += graphs.mass(bucket)
+            else:
+                mass[kept] += graphs.mass(bucket)
+        finally:  # done, failed (a layer that cannot be read) or closed mid-probe
+            graphs.release(bucket)
         return (mass if reduce is None else reduce(mass)), buffers
     for layer_idx in range(last + 1):
         full = cached_layer(layer_idx, num_tokens)

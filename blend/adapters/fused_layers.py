@@ -176,8 +176,8 @@ class FusedLlamaLayers:
         try:
             return getattr(self, name)(*args)
         except Exception as e:  # noqa: BLE001 - compile failure: stay correct, say so
-            if not self.compiled:
-                raise
+            if not self.compiled or (self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                raise  # eager's own error, or a CUDA graph's capture failed (blend.probe_graphs)
             self._fall_back(e)
             return getattr(self, name)(*args)
 

@@ -131,10 +131,12 @@ class KVBlendWorker:
             return self._engine
 
     def _probe_graphs(self, adapter, scale: float, on_cuda: bool):
-        """The query probe's CUDA graphs (``blend.probe_graph_tokens`` > 0, on CUDA), every
-        bucket captured now, at start-up; None when off."""
+        """The query probe's CUDA graphs (``blend.probe_graph_tokens`` > 0, on CUDA, a
+        selection that probes), every bucket captured now, at start-up; None when off."""
+        from blend.engine_select import QUERY_SELECTIONS
+
         tokens = self.config.blend.probe_graph_tokens
-        if not (on_cuda and tokens > 0):
+        if not (on_cuda and tokens > 0 and self.config.blend.selection in QUERY_SELECTIONS):
             return None
         from blend.probe_graphs import ProbeGraphs
         from blend.query_selection import probe_layers_for
@@ -174,8 +176,10 @@ class KVBlendWorker:
             self._kv_caches[int(m.group(1))] = (name, cache)
             if self._layout is None:
                 self._layout = paged.detect_layout(cache, current_platform.is_cpu())
-        if not current_platform.is_cpu() and self.config.blend.compile_layers and self.client is not None:
-            try:  # compile now, at start-up, not in the first request
+        blend = self.config.blend
+        at_start = blend.compile_layers or blend.probe_graph_tokens > 0
+        if not current_platform.is_cpu() and at_start and self.client is not None:
+            try:  # compile and capture now, at start-up, not in the first request
                 self._engine_for_worker()
             except Exception as e:  # noqa: BLE001 - never fail vLLM's start for the cache's sake
                 log.warning("building the blend engine at start-up failed (%s: %s); the first blend "

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from blend import query_selection as qs
 from blend.engine import BlendEngine
 from blend.probe_graphs import ProbeGraphs
 from blend.query_selection import probe_layers_for
+from blend.steps import run_steps
 from tests.factories import F32_TOL, blend_prompt, plan_for, random_chunks, store_chunks, tiny_model
 
 pytestmark = pytest.mark.unit
@@ -25,10 +27,10 @@ def _engines(make_setup, adapter=None):
     return eager, BlendEngine(eager.model, client, probe_graphs=graphs), graphs, client
 
 
-def _prompt(client, engine, chunks, *, miss=None, ratio=0.15, selection="query_attention", query=None):
+def _prompt(client, engine, chunks, *, miss=None, ratio=0.15, selection="query_attention", query=None, **knobs):
     store_chunks(engine, client, [c for i, c in enumerate(chunks) if i != miss])
     ids, spans = blend_prompt([1, 2, 3], chunks, query or [4, 5, 6, 9, 11])
-    return plan_for(ids, spans, client, ratio=ratio, selection=selection)
+    return plan_for(ids, spans, client, ratio=ratio, selection=selection, **knobs)
 
 
 def _same(got, want) -> None:
@@ -45,10 +47,12 @@ def _prepare(graphs, plan, engine):
     assert graphs.prepare(plan.blend_end - reused, plan.blend_end, layers)
 
 
-@pytest.mark.parametrize("selection", ["query_attention", "query_k_deviation"])
-def test_a_prepared_bucket_gives_the_eager_probe_s_blend(make_setup, selection):
+@pytest.mark.parametrize("selection, knobs", [("query_attention", {}), ("query_k_deviation", {}),
+                                               ("query_attention", {"query_funnel": 2.0}),
+                                               ("query_k_deviation", {"rank_fusion": 60})])
+def test_a_prepared_bucket_gives_the_eager_probe_s_blend(make_setup, selection, knobs):
     eager, fast, graphs, client = _engines(make_setup)
-    plan = _prompt(client, eager, random_chunks(3, 24), selection=selection)
+    plan = _prompt(client, eager, random_chunks(3, 24), selection=selection, **knobs)
     _prepare(graphs, plan, eager)
     want, got = eager.blend(plan), fast.blend(plan)
     layers = probe_layers_for(plan.probe_layers, eager.spec.num_layers)
@@ -134,3 +138,59 @@ def test_begin_refuses_a_request_larger_than_its_bucket(make_setup):
         graphs.begin(bucket, hidden, pos, pos, 5, 100)
     with pytest.raises(ValueError, match="do not fit"):
         graphs.begin(bucket, hidden[:5], pos[:5], pos[:5], 5, 129)
+
+
+@pytest.mark.parametrize("miss", [None, 1])
+def test_the_probe_s_mass_and_layer_buffers_equal_the_eager_probe_s(make_setup, monkeypatch, miss):
+    """The probe's own outputs, not only the blend's: the blend writes every computed row again
+    in each layer, so a wrong write-back of the probe's fresh K/V would not show in its result."""
+    eager, fast, graphs, client = _engines(make_setup)
+    plan = _prompt(client, eager, random_chunks(4, 24, seed=11), miss=miss)
+    _prepare(graphs, plan, eager)
+    seen = {}
+    real = qs.probe_query_mass
+
+    def spy(*args, graphs=None, **kw):
+        mass, buffers = yield from real(*args, graphs=graphs, **kw)
+        seen["graphs" if graphs is not None and graphs.layer_runs else "eager"] = (
+            mass.clone(), {i: b.clone() for i, b in buffers.items()})
+        return mass, buffers
+
+    monkeypatch.setattr(qs, "probe_query_mass", spy)
+    eager.blend(plan)
+    fast.blend(plan)
+    (mass_g, bufs_g), (mass_e, bufs_e) = seen["graphs"], seen["eager"]
+    assert_close(mass_g, mass_e, **F32_TOL)
+    assert bufs_g.keys() == bufs_e.keys() and bufs_g
+    rows = torch.ones(plan.blend_end, dtype=torch.bool)  # rows the probe defines (not a missed chunk's)
+    for seg in plan.segments:
+        if seg.kind == "chunk" and not seg.hit:
+            rows[seg.start:seg.end] = False
+    for i in bufs_e:
+        assert_close(bufs_g[i][:, :plan.blend_end][:, rows], bufs_e[i][:, :plan.blend_end][:, rows], **F32_TOL)
+
+
+def test_a_bucket_held_by_one_probe_sends_another_to_the_eager_probe(make_setup):
+    """A vLLM worker interleaves blends layer by layer: request A pauses inside its probe while
+    B blends in the same bucket. B probes eagerly; both get the eager result; the bucket is
+    free again once A is done (and once a probe is abandoned)."""
+    eager, fast, graphs, client = _engines(make_setup)
+    plan_a = _prompt(client, eager, random_chunks(3, 24, seed=12))
+    plan_b = _prompt(client, eager, random_chunks(3, 26, seed=13))
+    _prepare(graphs, plan_a, eager)
+    layers = probe_layers_for(plan_a.probe_layers, eager.spec.num_layers)
+    steps = fast.blend_steps(plan_a)
+    with torch.no_grad():
+        next(steps)  # A's first probe layer ran from the bucket; A holds it
+    got_b = fast.blend(plan_b)
+    assert graphs.layer_runs == 1
+    got_a = run_steps(steps)
+    _same(got_a, eager.blend(plan_a))
+    _same(got_b, eager.blend(plan_b))
+    assert graphs.layer_runs == layers[-1] + 1
+    abandoned = fast.blend_steps(plan_b)
+    with torch.no_grad():
+        next(abandoned)
+    abandoned.close()
+    _same(fast.blend(plan_b), got_b)
+    assert graphs.layer_runs == 2 * (layers[-1] + 1) + 1
