@@ -223,7 +223,6 @@ class ProbeGraphs:
             raise ValueError(f"{a} rows over {num_keys} keys do not fit bucket ({b.rows}, {b.keys})")
         if b.busy:
             raise RuntimeError("the bucket is held by another request's probe")
-        b.busy = True
         b.num_rows, b.num_keys = a, num_keys
         b.hidden[:a].copy_(hidden)
         b.hidden[a:].copy_(hidden[-1:].expand(b.rows - a, -1))
@@ -235,6 +234,7 @@ class ProbeGraphs:
         b.weight.zero_()
         b.weight[a - num_query_rows:a] = 1.0
         b.mass.zero_()
+        b.busy = True  # last: a copy that raised leaves the bucket free
 
     def layer(self, b: _Bucket, layer_idx: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One probe layer: ``kv`` ``[2, T', H, D]`` (the probe's keys, hit rows placed) is
