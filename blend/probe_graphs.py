@@ -133,6 +133,23 @@ class ProbeGraphs:
                 return time.perf_counter() - t0
             keys = ops.shape_bucket(keys + 1)
 
+    def prepare_plan(self, plan) -> bool:
+        """:meth:`prepare` the bucket a :class:`~blend.plan.BlendPlan`'s probe will ask for:
+        rows and keys as :func:`blend.query_selection.select_rows` counts them (the prompt up
+        to the query's end; a missed chunk's rows are neither), its probe layers."""
+        from blend.plan import CHUNK
+        from blend.query_selection import probe_layers_for
+
+        end = plan.query_rows[1] if plan.query_rows is not None else plan.blend_end
+
+        def rows_of(hit: bool) -> int:
+            return sum(max(0, min(s.end, plan.blend_end) - s.start) for s in plan.segments
+                       if s.kind == CHUNK and s.hit == hit)
+
+        reused, missed = rows_of(True), rows_of(False)
+        layers = probe_layers_for(plan.probe_layers, self.model.spec.num_layers)
+        return self.prepare(end - reused - missed, end - missed, layers)
+
     def prepare(self, num_rows: int, num_keys: int, probe_layers: tuple[int, ...]) -> bool:
         """Capture the graphs of the bucket holding ``num_rows`` rows over ``num_keys`` keys
         (once; later calls return at once). Runs every layer's step eagerly first (compiles,
@@ -243,7 +260,7 @@ class ProbeGraphs:
         staging = self._staging
         n = b.num_keys
         staging[:, :n].copy_(kv)
-        if n < b.keys:
+        if n < b.keys:  # every layer: staging is shared by the buckets of interleaved requests
             staging[:, n:b.keys].zero_()
         g = b.graphs[layer_idx]
         if g is None:

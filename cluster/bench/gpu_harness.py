@@ -311,18 +311,14 @@ class GpuBench:
         timing: seconds, device memory it took, the bucket (None without graphs)."""
         if self.graphs is None:
             return None
-        from blend.query_selection import probe_layers_for
-
         torch = self.torch
-        reused = sum(s.end - s.start for s in plan.hit_segments)
-        layers = probe_layers_for(plan.probe_layers, self.spec.num_layers)
         before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         t0 = time.perf_counter()
-        ok = self.graphs.prepare(plan.blend_end - reused, plan.blend_end, layers)
+        ok = self.graphs.prepare_plan(plan)
         seconds = time.perf_counter() - t0
         after = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         return {"ready": ok, "prepare_s": seconds, "reserved_bytes_added": after - before,
-                "rows": plan.blend_end - reused, "probe_layers": list(layers), **self.graphs.stats()}
+                **self.graphs.stats()}
 
     def _measure_graphs(self, plan, num_chunks: int, full_s: float) -> dict:
         """The gpu and hot host tiers with and without the probe's graphs, run by run

@@ -41,10 +41,8 @@ def _same(got, want) -> None:
         assert_close(a, b, **F32_TOL)
 
 
-def _prepare(graphs, plan, engine):
-    layers = probe_layers_for(plan.probe_layers, engine.spec.num_layers)
-    reused = sum(s.end - s.start for s in plan.hit_segments)
-    assert graphs.prepare(plan.blend_end - reused, plan.blend_end, layers)
+def _prepare(graphs, plan):
+    assert graphs.prepare_plan(plan)
 
 
 @pytest.mark.parametrize("selection, knobs", [("query_attention", {}), ("query_k_deviation", {}),
@@ -53,7 +51,7 @@ def _prepare(graphs, plan, engine):
 def test_a_prepared_bucket_gives_the_eager_probe_s_blend(make_setup, selection, knobs):
     eager, fast, graphs, client = _engines(make_setup)
     plan = _prompt(client, eager, random_chunks(3, 24), selection=selection, **knobs)
-    _prepare(graphs, plan, eager)
+    _prepare(graphs, plan)
     want, got = eager.blend(plan), fast.blend(plan)
     layers = probe_layers_for(plan.probe_layers, eager.spec.num_layers)
     assert graphs.layer_runs == layers[-1] + 1  # every probe layer ran from the bucket
@@ -66,7 +64,7 @@ def test_a_missed_chunk_is_left_out_of_the_bucket_s_keys(make_setup):
     eager, fast, graphs, client = _engines(make_setup)
     plan = _prompt(client, eager, random_chunks(4, 24, seed=3), miss=1)
     assert any(not s.hit for s in plan.segments if s.kind == "chunk")
-    _prepare(graphs, plan, eager)
+    _prepare(graphs, plan)
     _same(fast.blend(plan), eager.blend(plan))
     assert graphs.layer_runs > 0
 
@@ -76,7 +74,7 @@ def test_two_requests_of_one_bucket_each_get_their_own_result(make_setup):
     plan_a = _prompt(client, eager, random_chunks(3, 24, seed=5))
     plan_b = _prompt(client, eager, random_chunks(3, 30, seed=6), query=[4, 5, 12, 13, 14, 15, 16])
     assert ProbeGraphs.key(10, plan_a.blend_end, ()) == ProbeGraphs.key(14, plan_b.blend_end, ())
-    _prepare(graphs, plan_a, eager)
+    _prepare(graphs, plan_a)
     got_a, got_b, got_a2 = fast.blend(plan_a), fast.blend(plan_b), fast.blend(plan_a)
     _same(got_a, eager.blend(plan_a))
     _same(got_b, eager.blend(plan_b))
@@ -88,7 +86,7 @@ def test_the_product_s_fused_layers_run_the_bucket_too(make_setup):
 
     eager, fast, graphs, client = _engines(make_setup, FusedLlamaAdapter(tiny_model("llama"), model_id="tiny-llama"))
     plan = _prompt(client, eager, random_chunks(3, 24, seed=7))
-    _prepare(graphs, plan, eager)
+    _prepare(graphs, plan)
     _same(fast.blend(plan), eager.blend(plan))
     assert graphs.layer_runs > 0
 
@@ -106,7 +104,7 @@ def test_no_bucket_runs_the_eager_probe(make_setup):
 def test_ratio_one_with_graphs_equals_full_prefill(make_setup):
     eager, fast, graphs, client = _engines(make_setup)
     plan = _prompt(client, eager, random_chunks(3, 24, seed=9), ratio=1.0)
-    _prepare(graphs, plan, eager)
+    _prepare(graphs, plan)
     got, full = fast.blend(plan), eager.prefill(list(plan.token_ids[:plan.blend_end]))
     assert_close(got.logits, full.logits, **F32_TOL)
     for a, b in zip(got.kv, full.kv, strict=True):
@@ -146,7 +144,7 @@ def test_the_probe_s_mass_and_layer_buffers_equal_the_eager_probe_s(make_setup, 
     in each layer, so a wrong write-back of the probe's fresh K/V would not show in its result."""
     eager, fast, graphs, client = _engines(make_setup)
     plan = _prompt(client, eager, random_chunks(4, 24, seed=11), miss=miss)
-    _prepare(graphs, plan, eager)
+    _prepare(graphs, plan)
     seen = {}
     real = qs.probe_query_mass
 
@@ -177,7 +175,7 @@ def test_a_bucket_held_by_one_probe_sends_another_to_the_eager_probe(make_setup)
     eager, fast, graphs, client = _engines(make_setup)
     plan_a = _prompt(client, eager, random_chunks(3, 24, seed=12))
     plan_b = _prompt(client, eager, random_chunks(3, 26, seed=13))
-    _prepare(graphs, plan_a, eager)
+    _prepare(graphs, plan_a)
     layers = probe_layers_for(plan_a.probe_layers, eager.spec.num_layers)
     steps = fast.blend_steps(plan_a)
     with torch.no_grad():
