@@ -12,10 +12,9 @@ The model of one blend (CacheBlend's layer pipeline, Yao et al., EuroSys 2025, Â
     rows(L)     = always computed rows + tokens of the hits not in L + ceil(ratio * tokens of L)
                   (per layer on average: CacheBlend's deviation selections compute all T rows
                   up to the first check layer)
-    compute(L)  = compute_s(rows(all hits), T)
-                  + row_factor * (compute_s(rows(L), T) - compute_s(rows(all hits), T))
-                  (the rows a partial plan adds cost ``row_factor`` times the rate: on an H100
-                  a blend's added row cost about 4x a prefill's)
+    compute(L)  = compute_s(rows(L), T)
+                  (every row at the estimates' one rate, a split's added rows too:
+                  :meth:`cluster.vllm.costs.CostEstimator.row_rate`)
     transfer(L) = estimates.transfer_s({tier: bytes of L's chunks there})
     blend(L)    = max(compute, transfer) + min(compute, transfer) * (1 - overlap + overlap / num_layers)
 
@@ -80,13 +79,6 @@ class CostEstimates(Protocol):
     def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
         """Seconds until every layer of chunks holding ``bytes_by_tier`` bytes (per tier that
         answered their lookup) is on the device; 0 for no bytes."""
-        ...
-
-    @property
-    def row_factor(self) -> float:
-        """>= 1: what a row a partial plan recomputes beyond loading every hit costs, against
-        the rate :meth:`compute_s` prices rows at (a blend's row can cost more than a
-        prefill's: gathers, masked attention)."""
         ...
 
     @property
@@ -177,20 +169,16 @@ def choose(plan: BlendPlan, estimates: CostEstimates, *, kv_bytes_per_token: int
     wide = plan.funnel_ratio or 0.0
     narrow = below if wide else 0
 
-    overlap, factor = estimates.overlap, max(1.0, estimates.row_factor)
+    overlap = estimates.overlap
 
     def mean_rows(tokens: int) -> float:
         rows = base_rows + (hit_tokens - tokens) + math.ceil(ratio * tokens - 1e-9)  # as num_to_select
         wide_rows = base_rows + (hit_tokens - tokens) + math.ceil(wide * tokens - 1e-9)
         return (whole * keys + narrow * wide_rows + (num_layers - whole - narrow) * rows) / max(1, num_layers)
 
-    all_rows = mean_rows(hit_tokens)
-    all_compute = estimates.compute_s(all_rows, keys)
-
     def price(loaded: Sequence[tuple[int, object]]) -> float:
         tokens = sum(s.num_tokens for _, s in loaded)
-        rows = mean_rows(tokens)
-        compute = all_compute + factor * (estimates.compute_s(rows, keys) - all_compute)  # added rows
+        compute = estimates.compute_s(mean_rows(tokens), keys)
         by_tier: dict[str, int] = {}
         for _, s in loaded:
             by_tier[s.tier] = by_tier.get(s.tier, 0) + s.num_tokens * kv_bytes_per_token

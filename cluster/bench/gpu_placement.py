@@ -38,7 +38,8 @@ cost-aware run, what the estimates expected of the chosen plan, of full prefill 
 always-load (seconds), beside the ``choices`` it made. The estimates are fed as the vLLM
 worker feeds them: by the blends (always-load and cost-aware alike) and by
 :data:`PREFILL_SEEDS` prefills of passage sizes (the canonical KV a worker computes for missed
-passages), never by full prefills (vLLM's own); one estimator serves every placement, as one
+passages) and, on a GPU, the worker's start-up prefills (:func:`cluster.vllm.costs.calibration_samples`),
+never by full prefills (vLLM's own); one estimator serves every placement, as one
 worker's does, and :data:`WARMUP_RUNS` cost-aware runs per cell precede the timed ones.
 """
 
@@ -132,7 +133,7 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
 
     from blend.cost import kv_bytes_per_token
     from cluster.bench.gpu_harness import GpuBench
-    from cluster.vllm.costs import CostEstimator, linear_keys, samples_of
+    from cluster.vllm.costs import CostEstimator, calibration_samples, linear_keys, samples_of
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bench = GpuBench(args, device, [max(lengths)])
@@ -148,6 +149,8 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
         ids = flat[:n]
         seed.prefill(ids, want_logits=False)  # warm-up of the shape
         estimator.add(samples_of(seed.prefill(ids, want_logits=False).counters, len(ids)))
+    if device.type == "cuda":  # what the worker measures once at start-up on a GPU
+        estimator.add(calibration_samples(seed, spec.max_position or 0))
     rows: list[dict] = []
 
     def report(settle=None) -> dict:

@@ -1,9 +1,10 @@
 """The serving process's estimates of what loading and computing cost (issue 34), kept up to
 date from its own requests: :class:`CostEstimator` implements :class:`blend.cost.CostEstimates`.
 
-* **Compute.** A prefill's compute is modelled as ``seconds = c0 + s * W`` and a blend's as
-  the same ``s * W`` plus a blend's own fixed cost (launches, the probe, selection: the least
-  excess over ``s * W`` among the last :data:`BLEND_WINDOW` blends whose predicted transfer was
+* **Compute.** A row costs ``r * W`` (:meth:`CostEstimator.row_rate`): full prefill is
+  ``max(floor, r * W)`` and a blend ``r * W`` plus a blend's own fixed cost (launches, the
+  probe, selection: the least
+  excess over ``r * W`` among the last :data:`BLEND_WINDOW` blends whose predicted transfer was
   under :data:`OVERLAP_INFORMATIVE` of their compute; on a GPU a blend that waited for its
   layers shows the wait in its host-side compute time, so only the least of those is kept:
   in the H100 placement run, 32 blends in a row from disk and throttled tiers priced a blend's
@@ -11,11 +12,18 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
   ``W = rows * (k_lin + keys / 2)``: ``rows`` computed per layer (mean over layers), each
   through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
   key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
-  the prompt's ``keys`` on average (causal). ``c0`` (per-request overhead) and ``s`` are fitted
-  by least squares over the samples with exponential forgetting (:data:`FORGET`), so they
-  follow a machine that slows down. The rows a partial plan adds over loading every hit cost
-  :attr:`CostEstimator.row_factor` times the prefill rate (a blend's row costs more than a
-  prefill's). Samples: every blend (its ``compute_s``, load waits
+  the prompt's ``keys`` on average (causal). ``r`` is the least seconds per unit of work
+  among the last :data:`PREFILL_WINDOW` prefills and ``floor`` their least seconds: on a GPU a
+  short prefill is bound by its launches (~20 ms on an H100 up to ~1K tokens), so a line fitted
+  through prefills of 128-2,048 tokens had a slope ~0.6x the real one and priced an 8K-token
+  prefill at 0.15 s against 0.23 s measured; the least per-work cost is the prefill off that
+  floor. A worker's own prefills are passage-sized, so it measures a few longer ones once at
+  start-up (:func:`calibration_samples`). A row a partial plan adds costs the same ``r``: on
+  the H100 a blend that recomputed half its chunks cost 1.05-1.2x the prefill's per-row time
+  per row it added (a least ratio of a blend's seconds to the prefill rate, used before,
+  counted a blend's fixed cost again in every added row, 3-8x, and no split was ever chosen).
+  A least-squares line over the blends (exponential forgetting, :data:`FORGET`) prices compute
+  until a prefill was measured. Samples: every blend (its ``compute_s``, load waits
   excluded, and its rows per layer) and every prefill the worker runs (canonical KV of stored
   chunks, fallbacks). Until the first sample :attr:`compute_known` is False and the planner
   loads every hit, as before this existed.
@@ -55,6 +63,7 @@ scheduler's ``update_connector_output``). Thread-safe.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections import deque
 from collections.abc import Collection, Mapping
@@ -84,6 +93,11 @@ OVERLAP_INFORMATIVE = 0.2
 FORGET = 0.9
 #: recent blends whose least overhead over the prefill rate is a blend's fixed cost
 BLEND_WINDOW = 32
+#: recent prefills whose least seconds per unit of work is the row rate
+PREFILL_WINDOW = 32
+#: prompt lengths a worker prefills once at start-up (:func:`calibration_samples`): longer than
+#: passages, where a GPU's prefill leaves the launch-bound floor
+CALIBRATION_TOKENS = (1024, 2048, 4096)
 #: plans in a row with hits in a tier and none loaded before that tier is explored
 EXPLORE_AFTER = 8
 #: tier names counted on /metrics as they are (any other is counted as "other")
@@ -189,6 +203,26 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     return out
 
 
+def calibration_samples(engine, max_tokens: int, tokens: tuple[int, ...] = CALIBRATION_TOKENS) -> CostSamples:
+    """Prefill samples of prompts longer than passages, for a worker whose own prefills are all
+    passage-sized (module docstring, **Compute**): each of ``tokens`` up to ``max_tokens``
+    (the context window), random token ids, prefilled twice through ``engine`` (a
+    :class:`blend.engine.BlendEngine`; the first run warms the shape) and the second measured.
+    Who calls it: the vLLM worker once at start-up on a GPU (~0.2 s for a 7B-shaped model on an
+    H100), and ``kvblend bench gpu --placement`` as that worker does. Empty when nothing fits.
+    """
+    rng = random.Random(0)
+    vocab = max(2, int(engine.spec.vocab_size))
+    out = CostSamples()
+    for n in tokens:
+        if n > max_tokens:
+            continue
+        ids = [rng.randrange(1, vocab) for _ in range(n)]
+        engine.prefill(ids, want_logits=False)
+        out = out.merge(samples_of(engine.prefill(ids, want_logits=False).counters, n))
+    return out
+
+
 class CostEstimator:
     """See the module docstring.
 
@@ -206,6 +240,7 @@ class CostEstimator:
         self._tiers: dict[str, list[float]] = {}     # tier -> [latency s, seconds per byte]
         self._fits = {BLEND: _Fit(), PREFILL: _Fit()}
         self._blends: deque[tuple[float, float]] = deque(maxlen=BLEND_WINDOW)  # recent (W, seconds)
+        self._prefills: deque[tuple[float, float]] = deque(maxlen=PREFILL_WINDOW)  # recent (W, seconds)
         self._unexplored: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -220,50 +255,50 @@ class CostEstimator:
         return float(rows) * (self.k_lin + keys / 2.0)
 
     def compute_s(self, rows: float, keys: int) -> float:
-        """A blend's compute: ``rows`` per layer over a ``keys``-token prompt, at the prefill
-        fit's cost per unit of work plus a blend's own fixed cost (:meth:`blend_overhead_s`);
-        the blend fit alone until a prefill was measured."""
+        """A blend's compute: ``rows`` per layer over a ``keys``-token prompt at the row rate
+        (:meth:`row_rate`) plus a blend's own fixed cost (:meth:`blend_overhead_s`); the blend
+        fit alone until a prefill was measured."""
         with self._lock:
             return self._compute(rows, keys)
 
     def _compute(self, rows: float, keys: int) -> float:
         w = self.work(rows, keys)
-        if not self._fits[PREFILL].known:
+        rate = self._rate()
+        if rate <= 0:
             return self._fits[BLEND](w)
-        return self._overhead() + self._fits[PREFILL].s * w
+        return self._overhead() + rate * w
 
-    @property
-    def row_factor(self) -> float:
-        """The least ratio, over the recent blends, of a blend's compute seconds to ``s * W`` at
-        the prefill rate (>= 1; 1 with none): what a row a blend adds costs against a prefill's
-        (gathers, masked attention; on the H100 a blend recomputing 4,700 of 8,257 rows took
-        0.28 s where loading all but 15% took 0.10 s and full prefill 0.23 s: about 4x the
-        prefill rate per added row). Priced by :func:`blend.cost.choose` on the rows a partial
-        plan adds over loading every hit."""
+    def row_rate(self) -> float:
+        """Seconds per unit of work (:meth:`work`) of a computed row, in a prefill or a blend:
+        the least ``seconds / W`` among the last :data:`PREFILL_WINDOW` prefills (0: none yet).
+        A row a partial plan adds over loading every hit is priced at it too."""
         with self._lock:
-            return self._row_factor()
+            return self._rate()
 
-    def _row_factor(self) -> float:
-        s = self._fits[PREFILL].s
-        return max(1.0, min((sec / (s * w) for w, sec in self._blends if s * w > 0), default=1.0))
+    def _rate(self) -> float:
+        return min((sec / w for w, sec in self._prefills), default=0.0)
 
     def _overhead(self) -> float:
-        """The least ``seconds - s_prefill * W`` over the recent blends (>= 0): a blend's fixed
+        """The least ``seconds - r * W`` over the recent blends (>= 0): a blend's fixed
         cost (launches, the probe, selection). The least, not the mean: a blend that waited for
         its layers on the device (the host sees the wait in its compute time) only adds."""
-        s = self._fits[PREFILL].s
-        return max(0.0, min((sec - s * w for w, sec in self._blends), default=0.0))
+        rate = self._rate()
+        return max(0.0, min((sec - rate * w for w, sec in self._blends), default=0.0))
 
     def blend_overhead_s(self) -> float:
         with self._lock:
             return self._overhead()
 
     def prefill_s(self, tokens: int) -> float:
-        """Full prefill of ``tokens``: the prefill fit, or the blend fit over every row until a
-        prefill was measured (a blend's fixed cost on top: loading is favoured, as before)."""
+        """Full prefill of ``tokens``: every row at the row rate, at least the least prefill
+        seen (the launch-bound floor); the blend fit over every row until a prefill was
+        measured (a blend's fixed cost on top: loading is favoured, as before)."""
         with self._lock:
-            fit = self._fits[PREFILL] if self._fits[PREFILL].known else self._fits[BLEND]
-            return fit(self.work(tokens, tokens))
+            w = self.work(tokens, tokens)
+            rate = self._rate()
+            if rate <= 0:
+                return self._fits[BLEND](w)
+            return max(min(sec for _, sec in self._prefills), rate * w)
 
     def transfer_s(self, bytes_by_tier: Mapping[str, int]) -> float:
         with self._lock:
@@ -309,6 +344,8 @@ class CostEstimator:
             self._fits[kind].add(w, seconds)
             if kind == BLEND and fixed_cost:
                 self._blends.append((w, seconds))
+            elif kind == PREFILL:
+                self._prefills.append((w, seconds))
 
     def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float, waited: float | None = None) -> None:
         """One blend's transfer: it took between ``waited`` (default ``seconds``: a point) and
@@ -375,7 +412,8 @@ class CostEstimator:
     def snapshot(self) -> dict:
         """The current estimates (for the event log): compute fit and per tier latency / GB/s."""
         with self._lock:
-            return {"blend_overhead_s": self._overhead(), "row_factor": self._row_factor(),
+            return {"blend_overhead_s": self._overhead(), "row_s_per_work": self._rate(),
+                    "prefill_floor_s": min((sec for _, sec in self._prefills), default=0.0),
                     "overlap": self._overlap, **{f"{k}_c0_s": f.c0 for k, f in self._fits.items()},
                     **{f"{k}_s_per_work": f.s for k, f in self._fits.items()},
                     "tiers": {t: {"latency_s": lat, "gbps": (1.0 / spb / 1e9) if spb > 0 else float("inf")}

@@ -39,7 +39,7 @@ from blend.engine_select import QUERY_SELECTIONS
 from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
-from cluster.vllm.costs import CostSamples, samples_of
+from cluster.vllm.costs import CostSamples, calibration_samples, samples_of
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
@@ -127,6 +127,13 @@ class KVBlendWorker:
                     pinned_bytes=int(self.config.tiers.pinned_size_gib * 2**30))
                 engine = BlendEngine(adapter, self._source, load_timeout_s=self.config.blend.load_timeout_s)
                 engine.probe_graphs = self._probe_graphs(adapter, engine.scale, on_cuda)
+                if on_cuda:  # the cost estimates' row rate, off the launch-bound floor (issue 34)
+                    try:
+                        with torch.inference_mode():
+                            self._cost_samples = self._cost_samples.merge(
+                                calibration_samples(engine, adapter.spec.max_position or 0))
+                    except Exception as e:  # noqa: BLE001 - the estimates then learn from requests only
+                        log.warning("the cost calibration's prefills failed (%s: %s)", type(e).__name__, e)
                 self._engine = engine
             return self._engine
 
@@ -176,10 +183,8 @@ class KVBlendWorker:
             self._kv_caches[int(m.group(1))] = (name, cache)
             if self._layout is None:
                 self._layout = paged.detect_layout(cache, current_platform.is_cpu())
-        blend = self.config.blend
-        at_start = blend.compile_layers or blend.probe_graph_tokens > 0
-        if not current_platform.is_cpu() and at_start and self.client is not None:
-            try:  # compile and capture now, at start-up, not in the first request
+        if not current_platform.is_cpu() and self.client is not None:
+            try:  # compile, capture and calibrate now, at start-up, not in the first request
                 self._engine_for_worker()
             except Exception as e:  # noqa: BLE001 - never fail vLLM's start for the cache's sake
                 log.warning("building the blend engine at start-up failed (%s: %s); the first blend "

@@ -23,9 +23,8 @@ class Scripted:
     """Estimates read from a script: ``seconds_per_row_key`` of compute, ``gbps`` per tier."""
 
     def __init__(self, gbps: dict[str, float], seconds_per_row: float = 1e-3, known: bool = True,
-                 overlap: float = 1.0, row_factor: float = 1.0) -> None:
+                 overlap: float = 1.0) -> None:
         self.gbps, self.per_row, self.known, self.overlap = gbps, seconds_per_row, known, overlap
-        self.row_factor = row_factor
 
     @property
     def compute_known(self) -> bool:
@@ -184,18 +183,6 @@ def test_a_ratio_one_blend_loads_every_hit_whatever_the_prices():
     slow = Scripted({"host": 1e-5, "disk": 1e-5})  # loading priced far above full prefill
     assert choose(_plan(["host", "disk"], ratio=0.15), slow, kv_bytes_per_token=KV_BYTES, num_layers=4).full_prefill
     assert choose(_plan(["host", "disk"], ratio=1.0), slow, kv_bytes_per_token=KV_BYTES, num_layers=4) is None
-
-
-def test_the_rows_a_partial_plan_adds_are_priced_at_a_blends_cost_per_row():
-    """The H100 run: recomputing half the chunks cost about 4x the prefill rate per added row,
-    so a split priced at the prefill rate (sooner than full prefill) was slower than it. Loading
-    every hit is priced as before; a split pays ``row_factor`` on the rows it adds."""
-    plan = _plan(["host", "host", "disk", "disk"], tokens=250)
-    cheap = choose(plan, Scripted({"host": 10.0, "disk": 1e-4}), kv_bytes_per_token=KV_BYTES, num_layers=4)
-    assert cheap.recomputed == (3, 4) and not cheap.full_prefill  # the split
-    dear = choose(plan, Scripted({"host": 10.0, "disk": 1e-4}, row_factor=4.0), kv_bytes_per_token=KV_BYTES,
-                  num_layers=4)
-    assert dear.full_prefill and dear.always_load_s == pytest.approx(cheap.always_load_s)
 
 
 def test_the_query_funnels_wider_rows_below_the_check_layer_are_priced():

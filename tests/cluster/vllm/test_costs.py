@@ -9,7 +9,13 @@ import pytest
 
 from blend.cost import choose
 from blend.plan import CHUNK, BlendPlan, Segment
-from cluster.vllm.costs import EXPLORE_AFTER, CostEstimator, CostSamples, linear_keys
+from cluster.vllm.costs import (
+    EXPLORE_AFTER,
+    CostEstimator,
+    CostSamples,
+    calibration_samples,
+    linear_keys,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -219,16 +225,69 @@ def test_a_blend_whose_loads_may_have_kept_the_device_waiting_does_not_set_the_f
     assert est.blend_overhead_s() == pytest.approx(0.01)
 
 
-def test_the_row_factor_is_a_blends_least_cost_over_the_prefill_rate():
-    est = CostEstimator(k_lin=100.0)
-    assert est.row_factor == 1.0  # nothing measured
-    for keys in (500, 1000, 2000):
-        est.add_compute(keys, keys, 1e-8 * est.work(keys, keys), "prefill")
-    for rows, extra in ((300, 0.004), (1500, 0.0)):  # a blend's row costs 3x a prefill's
-        est.add_compute(rows, 2000, extra + 3e-8 * est.work(rows, 2000), "blend")
-    assert est.row_factor == pytest.approx(3.0) and est.snapshot()["row_factor"] == pytest.approx(3.0)
-    est.add_compute(300, 2000, 0.5e-8 * est.work(300, 2000), "blend")  # faster than a prefill: 1
-    assert est.row_factor == 1.0
+def _h100_prefill(est: CostEstimator, tokens: int) -> float:
+    """An H100's prefill of the 7B-shaped model (2026-12-07): launch-bound up to ~1K tokens
+    (20 ms), then 9e-10 s per unit of work (0.23 s at 8K tokens)."""
+    return max(0.02, 9e-10 * est.work(tokens, tokens))
+
+
+def test_the_row_rate_is_the_least_cost_per_work_among_prefills():
+    """Short prefills sit on the launch-bound floor: a line through prefills of 128-2,048
+    tokens (the old fit) priced 8K tokens at 0.15 s; the least seconds per unit of work prices
+    it at the 0.23 s it takes, and a blend at that rate plus its fixed cost, once."""
+    est = CostEstimator(k_lin=linear_keys(4096, 1024, 14336))
+    assert est.row_rate() == 0.0  # nothing measured
+    for n in (128, 256, 512, 1024, 2048):
+        est.add_compute(n, n, _h100_prefill(est, n), "prefill")
+    assert est.row_rate() == pytest.approx(9e-10)
+    snap = est.snapshot()
+    line = snap["prefill_c0_s"] + snap["prefill_s_per_work"] * est.work(8257, 8257)  # the old price
+    assert line < 0.18 and est.prefill_s(8257) == pytest.approx(0.23, abs=0.005)
+    assert est.prefill_s(100) == pytest.approx(0.02)  # the floor
+    fixed = 0.05  # launches and the probe
+    for rows in (1294, 1294, 7774):
+        est.add_compute(rows, 8257, fixed + 9e-10 * est.work(rows, 8257), "blend")
+    assert est.blend_overhead_s() == pytest.approx(fixed)
+    assert est.compute_s(4776, 8257) == pytest.approx(fixed + 9e-10 * est.work(4776, 8257))
+
+
+def test_a_split_is_chosen_where_recomputing_the_slow_half_is_sooner():
+    """The H100's ``mixed`` placement at 8K tokens (2026-12-07) in its own numbers: half the
+    chunks in host memory (56 GB/s), half on a 1.9 GB/s disk; load-all blends take 0.08 s.
+    Recomputing the disk half while loading the host half is priced at ~0.18 s against 0.23 s
+    of full prefill and ~0.35 s of loading all: the split. Before, the least-ratio row factor
+    (3-8) and the fitted line's prefill price (0.15 s) both sent it to full prefill."""
+    est = CostEstimator(linear_keys(4096, 1024, 14336), priors={"host": (0.001, 56e9), "disk": (0.005, 1.9e9)})
+    for n in (128, 256, 512, 1024, 2048):
+        est.add_compute(n, n, _h100_prefill(est, n), "prefill")
+    keys = 20 + 16 * 512
+    for t in (0.080, 0.082, 0.090, 0.085):
+        est.add_compute(1294, keys, t, "blend")
+    choice = choose(_plan(["host"] * 8 + ["disk"] * 8, tokens=512), est, kv_bytes_per_token=131072, num_layers=32)
+    assert not choice.full_prefill and choice.recomputed == tuple(range(9, 17))
+    assert choice.blend_s == pytest.approx(0.18, abs=0.02) and choice.blend_s < choice.full_s < choice.always_load_s
+
+
+def test_calibration_prefills_longer_prompts_once_each():
+    """What a worker measures at start-up: one sample per calibration length within the
+    context window, each the second of two prefills (the first warms the shape)."""
+    calls: list[int] = []
+
+    class _Engine:
+        spec = type("Spec", (), {"vocab_size": 50})()
+
+        def prefill(self, ids, want_logits=True):
+            calls.append(len(ids))
+            assert not want_logits and all(0 < i < 50 for i in ids)
+            counters = type("C", (), {"recomputed_tokens_per_layer": [len(ids)] * 2, "compute_s": 1e-3 * len(ids),
+                                      "transfer_s": 0.0, "num_hit_segments": 0, "full_prefill_reason": None})()
+            return type("R", (), {"counters": counters})()
+
+    samples = calibration_samples(_Engine(), max_tokens=2048)
+    assert calls == [1024, 1024, 2048, 2048]
+    assert [(rows, keys, kind) for rows, keys, _, kind in samples.compute] == [(1024, 1024, "prefill"),
+                                                                               (2048, 2048, "prefill")]
+    assert not calibration_samples(_Engine(), max_tokens=512)
 
 
 def test_a_tier_faster_than_its_prior_is_priced_at_once():
