@@ -85,6 +85,11 @@ class BlendConfig:
         0, "on CUDA, the query probe's layers as CUDA graphs for prompts up to this many tokens: one per layer "
         "and shape bucket, captured when the worker registers its KV caches (a request never captures; a longer "
         "prompt probes eagerly); 0 = off", (0, 262144))
+    flex_warm_tokens: int = _f(
+        32768, "on CUDA, FlexAttention compiled for every key bucket of prompts up to this many tokens when the "
+        "worker registers its KV caches, so that a request pads its rows to a compiled shape instead of "
+        "compiling one (2.4-4.7 s each); 0 = off: each new shape compiles in the request that first needs it",
+        (0, 262144))
     load_timeout_s: float = _f(
         DEFAULT_LOAD_TIMEOUT_S, "seconds the blend waits for a cached layer once it needs it; past that the request is "
         "recomputed by full prefill (counted as a fallback)", (0.01, 3600.0))

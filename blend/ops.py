@@ -12,6 +12,7 @@ dtype's rounding (``tests/blend/test_ops.py`` and ``test_ops_cuda.py`` compare t
   :func:`selected_row_attention` (FlexAttention, compiled, with a block mask built from the
   selected positions) on CUDA and :func:`blend.attention.blocked_row_attention` (SDPA over
   blocks of position-sorted rows) elsewhere. Neither materializes a ``[T, T]`` mask.
+* :func:`prepare_flex` — FlexAttention compiled ahead for every key bucket (at start-up).
 * :func:`gather_paged` / :func:`scatter_paged` — vLLM paged KV by ``slot_mapping`` (Triton).
 
 Axis letters as in :mod:`blend.protocols`; ``Q`` = selected query rows.
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from blend import attention as _attention
+from blend import flex_shapes
 from blend.kernels.blockmask import NEVER, block_tables
 from blend.kernels.deviation import deviation_scores
 from blend.kernels.paged import gather_paged, scatter_paged
@@ -35,7 +38,8 @@ from blend.selection import num_to_select, top_n_indices
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RowMask", "build_block_mask", "causal_attention", "deviation_scores", "gather_paged", "pad_rows", "prepare_rows",
+__all__ = ["RowMask", "build_block_mask", "causal_attention", "deviation_scores", "gather_paged", "pad_rows", "prepare_flex",
+           "prepare_rows",
            "rerotate_k_", "scatter_paged", "select_top_ratio", "selected_row_attention",
            "selected_row_attention_reference"]
 
@@ -286,8 +290,8 @@ def prepare_rows(q_pos: torch.Tensor, num_kv: int, kv_pos: torch.Tensor | None =
     if kv_pos is not None and kv_pos.shape != (num_kv,):
         raise ValueError(f"kv_pos must be [{num_kv}], got {tuple(kv_pos.shape)}")
     num_q = q_pos.numel()
-    padded = pad_rows(q_pos.to(torch.int64), shape_bucket(num_q))
     kv_len = shape_bucket(int(num_kv))
+    padded = pad_rows(q_pos.to(torch.int64), flex_shapes.rows_for(num_q, kv_len, q_pos.device, shape_bucket(num_q)))
     mask = build_block_mask(padded, _pad_keys(kv_pos, kv_len, q_pos.device), kv_len)
     return RowMask(padded, num_q, int(num_kv), mask, kv_len)
 
@@ -352,8 +356,11 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
     # Query rows and keys padded to shape buckets (rows: copies of the last one, dropped after;
     # keys: zeros no query sees): torch 2.11's inductor finds no flex kernel for fewer than
     # 128 rows (H200, 2026-11-29), and each (rows, keys) shape is compiled once, so buckets
-    # bound the number of compiled shapes over any mix of prompt lengths.
-    num_q_pad, kv_len = shape_bucket(num_q), shape_bucket(num_kv)
+    # bound the number of compiled shapes over any mix of prompt lengths; on a device that
+    # prepare_flex prepared, rows pad up to a compiled shape instead (blend.flex_shapes).
+    kv_len = shape_bucket(num_kv)
+    num_q_pad = (rows.q_pos_padded.numel() if rows is not None
+                 else flex_shapes.rows_for(num_q, kv_len, device, shape_bucket(num_q)))
     if num_q_pad != num_q:
         q_sel = torch.cat((q_sel, q_sel[-1:].expand(num_q_pad - num_q, -1, -1)))
     if kv_len != num_kv:
@@ -375,7 +382,54 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
         _FLEX_BROKEN.append(f"{type(e).__name__}: {e}")
         log.warning("FlexAttention unavailable (%s: %s); using the SDPA reference", type(e).__name__, e)
         return selected_row_attention_reference(q_sel[:num_q], q_pos[:num_q], k, v, kv_pos, scale)
+    flex_shapes.note_compiled(device, num_q_pad, kv_len)
     return out[0, :, :num_q].transpose(0, 1).reshape(num_q, -1)  # [Q, Hq * D]
+
+
+def prepare_flex(max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, scale: float) -> dict:
+    """Compile FlexAttention now for every key bucket (:func:`shape_bucket`) up to
+    ``max_tokens`` keys, each with as many rows as keys, then mark ``device`` prepared: a later
+    call over at most that many keys pads its rows up to a compiled shape rather than compile
+    one (:mod:`blend.flex_shapes`; a new shape compiled inside a request took 2.4-4.7 s).
+
+    Who calls it: the vLLM worker when it builds its blend engine at start-up
+    (``blend.flex_warm_tokens``), and ``kvblend bench gpu`` before timing. The shapes are the
+    model's: ``num_heads`` query and ``num_kv_heads`` KV heads of ``head_dim``, ``dtype``, the
+    engine's softmax ``scale``. CUDA only; elsewhere, with ``max_tokens <= 0`` or once
+    FlexAttention failed, nothing happens. A failed compile is logged and leaves the device
+    unprepared (shapes then compile on first use, as without this).
+
+    Returns:
+        ``{"seconds": wall time, "shapes": key buckets compiled, "max_keys": the largest}``.
+    """
+    out = {"seconds": 0.0, "shapes": 0, "max_keys": 0}
+    device = torch.device(device)
+    if device.type != "cuda" or max_tokens <= 0 or _FLEX_BROKEN:
+        return out
+    if device.index is None:  # the key tensors' own device names it with its index
+        device = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
+    keys, top = FLEX_BLOCK, shape_bucket(max_tokens)
+    try:
+        while True:
+            q = torch.zeros(keys, num_heads, head_dim, dtype=dtype, device=device)
+            kv = torch.zeros(keys, num_kv_heads, head_dim, dtype=dtype, device=device)
+            pos = torch.arange(keys, device=device)
+            _flex_rows(q, pos, kv, kv, None, scale, prepare_rows(pos, keys))
+            out["shapes"] += 1
+            if keys >= top:
+                break
+            keys = shape_bucket(keys + 1)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - out of memory, no compiler: compile on first use instead
+        log.warning("preparing FlexAttention's shapes failed at %d keys (%s: %s)", keys, type(e).__name__, e)
+        return {**out, "seconds": time.perf_counter() - start}
+    if not _FLEX_BROKEN:
+        flex_shapes.mark_prepared(device, top)
+        out["max_keys"] = top
+    out["seconds"] = time.perf_counter() - start
+    return out
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None,

@@ -126,6 +126,7 @@ class KVBlendWorker:
                     policy=self.config.tiers.eviction_policy,
                     pinned_bytes=int(self.config.tiers.pinned_size_gib * 2**30))
                 engine = BlendEngine(adapter, self._source, load_timeout_s=self.config.blend.load_timeout_s)
+                self._prepare_flex(adapter, engine.scale, on_cuda)
                 engine.probe_graphs = self._probe_graphs(adapter, engine.scale, on_cuda)
                 if on_cuda:  # the cost estimates' row rate, off the launch-bound floor (issue 34)
                     try:
@@ -136,6 +137,21 @@ class KVBlendWorker:
                         log.warning("the cost calibration's prefills failed (%s: %s)", type(e).__name__, e)
                 self._engine = engine
             return self._engine
+
+    def _prepare_flex(self, adapter, scale: float, on_cuda: bool) -> None:
+        """FlexAttention's shapes compiled now, at start-up, for prompts up to
+        ``blend.flex_warm_tokens`` (:func:`blend.ops.prepare_flex`), before the probe's graphs
+        capture any; nothing off CUDA or at 0."""
+        tokens = min(self.config.blend.flex_warm_tokens, adapter.spec.max_position or 0)
+        if not (on_cuda and tokens > 0):
+            return
+        from blend.ops import prepare_flex
+
+        spec = adapter.spec
+        done = prepare_flex(tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim, adapter.dtype,
+                            adapter.device, scale)
+        log.info("compiled FlexAttention for %d key buckets up to %d keys in %.1f s", done["shapes"],
+                 done["max_keys"], done["seconds"])
 
     def _probe_graphs(self, adapter, scale: float, on_cuda: bool):
         """The query probe's CUDA graphs (``blend.probe_graph_tokens`` > 0, on CUDA, a

@@ -1,0 +1,71 @@
+"""FlexAttention's compiled shapes (:mod:`blend.flex_shapes`): once a device is prepared, a call
+whose (rows, keys) pair was never compiled pads its rows up to a compiled shape for its keys
+instead of compiling, and gives the same attention (eager flex on CPU stands in for the
+compiled kernel; ``tests/blend/test_ops_cuda.py`` runs the compiled one)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from blend import flex_shapes, ops
+from blend.attention import dense_attention_reference
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_shapes():
+    flex_shapes.reset()
+    yield
+    flex_shapes.reset()
+
+
+def test_an_unprepared_device_pads_rows_to_their_own_bucket():
+    flex_shapes.note_compiled(CPU, 1536, 1536)
+    assert flex_shapes.rows_for(150, 1536, CPU, 256) == 256  # compiles (256, 1536) on first use
+
+
+def test_a_prepared_device_pads_to_the_fewest_compiled_rows_that_hold_the_call():
+    for rows in (1536, 768):
+        flex_shapes.note_compiled(CPU, rows, 1536)
+    flex_shapes.note_compiled(CPU, 512, 512)
+    flex_shapes.note_compiled("cuda:1", 256, 1536)  # another device's shapes do not count
+    flex_shapes.mark_prepared(CPU, 1536)
+    assert flex_shapes.rows_for(150, 1536, CPU, 256) == 768
+    assert flex_shapes.rows_for(1000, 1536, CPU, 1024) == 1536
+    flex_shapes.note_compiled(CPU, 256, 1536)
+    assert flex_shapes.rows_for(150, 1536, CPU, 256) == 256  # its own pair is compiled now
+    assert flex_shapes.rows_for(150, 3072, CPU, 256) == 256  # keys past the prepared ones: own bucket
+    assert flex_shapes.compiled_shapes(CPU) == [(256, 1536), (512, 512), (768, 1536), (1536, 1536)]
+
+
+def test_rows_padded_to_a_larger_compiled_shape_attend_as_before(monkeypatch):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(150, 4, 16, generator=g)
+    k, v = torch.randn(400, 2, 16, generator=g), torch.randn(400, 2, 16, generator=g)
+    pos = torch.randperm(400, generator=g)[:150].sort().values
+    want = dense_attention_reference(q, k, v, pos, 0.25)
+    flex_shapes.note_compiled(CPU, 512, 512)
+    flex_shapes.mark_prepared(CPU, 512)
+    rows = ops.prepare_rows(pos, 400)
+    assert rows.q_pos_padded.numel() == 512  # not its own 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ops._flex_rows(q, pos, k, v, None, 0.25, rows)
+        got_unprepared = ops._flex_rows(q, pos, k, v, None, 0.25)  # pads to 512 as well (rows=None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_unprepared, want, rtol=1e-5, atol=1e-5)
+    assert flex_shapes.compiled_shapes(CPU) == [(512, 512)]  # no (256, 512) was run
+
+
+def test_prepare_flex_is_a_no_op_off_cuda():
+    assert ops.prepare_flex(4096, 4, 2, 16, torch.float32, CPU, 0.25) == {"seconds": 0.0, "shapes": 0, "max_keys": 0}
+    assert flex_shapes.rows_for(150, 512, CPU, 256) == 256
