@@ -49,6 +49,10 @@ FLEX_BLOCK = 128
 REFERENCE_QUERY_BLOCK = 1024
 #: Position given to padded keys: never visible to any query.
 _NEVER = NEVER
+#: Rows :func:`prepare_flex` compiles for every key bucket besides as many rows as keys: the
+#: query probe's usual bucket (its ~65 rows: prefix, separators, query), which would otherwise
+#: pad up to the key count (256 MB of queries a layer at 32K keys)
+PROBE_ROWS = (128,)
 #: Compiled FlexAttention shapes kept before torch.compile gives up and runs it eagerly
 #: (dynamo's default is 8; every (query bucket, key bucket) pair is one shape, see
 #: :func:`shape_bucket`).
@@ -389,9 +393,14 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
 def prepare_flex(max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, scale: float) -> dict:
     """Compile FlexAttention now for every key bucket (:func:`shape_bucket`) up to
-    ``max_tokens`` keys, each with as many rows as keys, then mark ``device`` prepared: a later
-    call over at most that many keys pads its rows up to a compiled shape rather than compile
-    one (:mod:`blend.flex_shapes`; a new shape compiled inside a request took 2.4-4.7 s).
+    ``max_tokens`` keys, each with :data:`PROBE_ROWS` and with as many rows as keys, then mark
+    ``device`` prepared: a later call over at most that many keys pads its rows up to a
+    compiled shape rather than compile one (:mod:`blend.flex_shapes`; a new shape compiled
+    inside a request took 2.4-4.7 s).
+
+    Gradients are off here, as in every request (:func:`blend.steps.run_steps`); a caller whose
+    requests run under ``torch.inference_mode`` (the vLLM worker) calls this under it too:
+    compiled code is guarded by that mode and would compile again in the first request.
 
     Who calls it: the vLLM worker when it builds its blend engine at start-up
     (``blend.flex_warm_tokens``), and ``kvblend bench gpu`` before timing. The shapes are the
@@ -401,7 +410,8 @@ def prepare_flex(max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: i
     unprepared (shapes then compile on first use, as without this).
 
     Returns:
-        ``{"seconds": wall time, "shapes": key buckets compiled, "max_keys": the largest}``.
+        ``{"seconds": wall time, "shapes": (rows, keys) pairs compiled, "max_keys": the largest
+        key bucket}``.
     """
     out = {"seconds": 0.0, "shapes": 0, "max_keys": 0}
     device = torch.device(device)
@@ -412,15 +422,17 @@ def prepare_flex(max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: i
     start = time.perf_counter()
     keys, top = FLEX_BLOCK, shape_bucket(max_tokens)
     try:
-        while True:
-            q = torch.zeros(keys, num_heads, head_dim, dtype=dtype, device=device)
-            kv = torch.zeros(keys, num_kv_heads, head_dim, dtype=dtype, device=device)
-            pos = torch.arange(keys, device=device)
-            _flex_rows(q, pos, kv, kv, None, scale, prepare_rows(pos, keys))
-            out["shapes"] += 1
-            if keys >= top:
-                break
-            keys = shape_bucket(keys + 1)
+        with torch.no_grad():
+            while not _FLEX_BROKEN:
+                kv = torch.zeros(keys, num_kv_heads, head_dim, dtype=dtype, device=device)
+                for rows in sorted({r for r in PROBE_ROWS if r < keys} | {keys}):
+                    q = torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device)
+                    pos = torch.arange(keys - rows, keys, device=device)
+                    _flex_rows(q, pos, kv, kv, None, scale, prepare_rows(pos, keys))
+                    out["shapes"] += 1
+                if keys >= top:
+                    break
+                keys = shape_bucket(keys + 1)
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - out of memory, no compiler: compile on first use instead
         log.warning("preparing FlexAttention's shapes failed at %d keys (%s: %s)", keys, type(e).__name__, e)

@@ -13,7 +13,8 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
   through the layer's linear maps (``k_lin`` = their FLOPs per row over attention's FLOPs per
   key: ``hidden + kv_dim + 1.5 * intermediate`` for a Llama-style layer) and attending to half
   the prompt's ``keys`` on average (causal). ``r`` is the least seconds per unit of work
-  among the last :data:`PREFILL_WINDOW` prefills and ``floor`` their least seconds: on a GPU a
+  among the last :data:`PREFILL_WINDOW` prefills (of :data:`LONG_PREFILL_TOKENS` or more when
+  there are such) and ``floor`` the least seconds of any recent prefill: on a GPU a
   short prefill is bound by its launches (~20 ms on an H100 up to ~1K tokens), so a line fitted
   through prefills of 128-2,048 tokens had a slope ~0.6x the real one and priced an 8K-token
   prefill at 0.15 s against 0.23 s measured; the least per-work cost is the prefill off that
@@ -93,8 +94,14 @@ OVERLAP_INFORMATIVE = 0.2
 FORGET = 0.9
 #: recent blends whose least overhead over the prefill rate is a blend's fixed cost
 BLEND_WINDOW = 32
-#: recent prefills whose least seconds per unit of work is the row rate
+#: recent prefills whose least seconds per unit of work is the row rate (of the long ones, when
+#: there are any: LONG_PREFILL_TOKENS)
 PREFILL_WINDOW = 32
+#: prefills of at least this many tokens are kept in a window of their own: a worker's
+#: passage-sized prefills (every missed passage) would otherwise push its start-up calibration
+#: out after 32 of them, and on a GPU those sit on the launch-bound floor (a 512-token one priced
+#: an 8K prefill at 0.37 s against 0.23 s on an H100)
+LONG_PREFILL_TOKENS = 1024
 #: prompt lengths a worker prefills once at start-up (:func:`calibration_samples`): longer than
 #: passages, where a GPU's prefill leaves the launch-bound floor
 CALIBRATION_TOKENS = (1024, 2048, 4096)
@@ -241,6 +248,7 @@ class CostEstimator:
         self._fits = {BLEND: _Fit(), PREFILL: _Fit()}
         self._blends: deque[tuple[float, float]] = deque(maxlen=BLEND_WINDOW)  # recent (W, seconds)
         self._prefills: deque[tuple[float, float]] = deque(maxlen=PREFILL_WINDOW)  # recent (W, seconds)
+        self._long: deque[tuple[float, float]] = deque(maxlen=PREFILL_WINDOW)  # of LONG_PREFILL_TOKENS+
         self._unexplored: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -270,13 +278,14 @@ class CostEstimator:
 
     def row_rate(self) -> float:
         """Seconds per unit of work (:meth:`work`) of a computed row, in a prefill or a blend:
-        the least ``seconds / W`` among the last :data:`PREFILL_WINDOW` prefills (0: none yet).
+        the least ``seconds / W`` among the last :data:`PREFILL_WINDOW` prefills of at least
+        :data:`LONG_PREFILL_TOKENS` tokens, or of any length while there is none (0: none yet).
         A row a partial plan adds over loading every hit is priced at it too."""
         with self._lock:
             return self._rate()
 
     def _rate(self) -> float:
-        return min((sec / w for w, sec in self._prefills), default=0.0)
+        return min((sec / w for w, sec in self._long or self._prefills), default=0.0)
 
     def _overhead(self) -> float:
         """The least ``seconds - r * W`` over the recent blends (>= 0): a blend's fixed
@@ -346,6 +355,8 @@ class CostEstimator:
                 self._blends.append((w, seconds))
             elif kind == PREFILL:
                 self._prefills.append((w, seconds))
+                if keys >= LONG_PREFILL_TOKENS:
+                    self._long.append((w, seconds))
 
     def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float, waited: float | None = None) -> None:
         """One blend's transfer: it took between ``waited`` (default ``seconds``: a point) and

@@ -148,9 +148,10 @@ class KVBlendWorker:
         from blend.ops import prepare_flex
 
         spec = adapter.spec
-        done = prepare_flex(tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim, adapter.dtype,
-                            adapter.device, scale)
-        log.info("compiled FlexAttention for %d key buckets up to %d keys in %.1f s", done["shapes"],
+        with torch.inference_mode():  # as the worker's blends run: compiled code is guarded by the mode
+            done = prepare_flex(tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim, adapter.dtype,
+                                adapter.device, scale)
+        log.info("compiled FlexAttention for %d shapes up to %d keys in %.1f s", done["shapes"],
                  done["max_keys"], done["seconds"])
 
     def _probe_graphs(self, adapter, scale: float, on_cuda: bool):

@@ -251,6 +251,23 @@ def test_the_row_rate_is_the_least_cost_per_work_among_prefills():
     assert est.compute_s(4776, 8257) == pytest.approx(fixed + 9e-10 * est.work(4776, 8257))
 
 
+def test_the_start_up_calibration_outlives_the_passage_prefills_that_follow():
+    """A worker's later prefills are passage-sized and sit on the launch-bound floor: 40 of
+    them after the 1K-4K calibration leave the row rate where the calibration put it (the
+    floor's 512-token prefills alone would price an 8K prefill at ~0.37 s)."""
+    est = CostEstimator(k_lin=linear_keys(4096, 1024, 14336))
+    for n in (1024, 2048, 4096):
+        est.add_compute(n, n, _h100_prefill(est, n), "prefill")
+    for _ in range(40):
+        est.add_compute(512, 512, _h100_prefill(est, 512), "prefill")
+    assert est.row_rate() == pytest.approx(9e-10)
+    assert est.prefill_s(8257) == pytest.approx(0.23, abs=0.005)
+    assert est.prefill_s(300) == pytest.approx(0.02)  # the floor still comes from every prefill
+    alone = CostEstimator(k_lin=linear_keys(4096, 1024, 14336))
+    alone.add_compute(512, 512, _h100_prefill(alone, 512), "prefill")
+    assert alone.prefill_s(8257) > 0.3  # what the window would have come to
+
+
 def test_a_split_is_chosen_where_recomputing_the_slow_half_is_sooner():
     """The H100's ``mixed`` placement at 8K tokens (2026-12-07) in its own numbers: half the
     chunks in host memory (56 GB/s), half on a 1.9 GB/s disk; load-all blends take 0.08 s.
