@@ -102,10 +102,11 @@ class GpuBench:
         self.sink_tokens = BlendConfig().sink_tokens
         self._set_attention(args.attention)
         self._build_chunks(max(lengths))
-        # FlexAttention's shapes compiled now, as a vLLM worker compiles them at start-up
-        # (blend.flex_warm_tokens), so that no timed request compiles one
+        # FlexAttention's shapes compiled now, as a vLLM worker compiles them at start-up with
+        # the product's default blend.flex_warm_tokens (here only up to the longest prompt timed)
         scale = BlendEngine(self.adapter).scale
-        self.flex_warm = ops.prepare_flex(max(lengths) + 512, self.spec.num_heads, self.spec.num_kv_heads,
+        warm = min(BlendConfig().flex_warm_tokens, max(lengths) + 512)
+        self.flex_warm = ops.prepare_flex(warm, self.spec.num_heads, self.spec.num_kv_heads,
                                           self.spec.head_dim, self.adapter.dtype, device, scale)
         self.model_desc["flex_warm"] = self.flex_warm
         self.graphs = None  # the query probe's CUDA graphs, one set for the model (--probe-graphs)
