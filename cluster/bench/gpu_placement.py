@@ -9,7 +9,7 @@ timed, interleaved run by run (``--repeats`` each, after warm-ups; medians with 
 * ``always_load``: lookup + the blend loading every hit (the product with ``cost_aware: false``);
 * ``cost_aware``: lookup + the plan as the vLLM scheduler half prices it
   (:func:`cluster.vllm.costs.plan_with_costs` over a :class:`cluster.vllm.costs.CostEstimator`
-  fed after every run by :func:`cluster.vllm.costs.samples_of`, as the worker feeds it), then the
+  fed after every run by :func:`cluster.vllm.cost_samples.samples_of`, as the worker feeds it), then the
   blend of that plan, or full prefill when the plan says so.
 
 Placements (the chunks' canonical KV computed once by :class:`cluster.bench.gpu_harness.GpuBench`):
@@ -38,7 +38,7 @@ cost-aware run, what the estimates expected of the chosen plan, of full prefill 
 always-load (seconds), beside the ``choices`` it made. The estimates are fed as the vLLM
 worker feeds them: by the blends (always-load and cost-aware alike) and by
 :data:`PREFILL_SEEDS` prefills of passage sizes (the canonical KV a worker computes for missed
-passages) and, on a GPU, the worker's start-up prefills (:func:`cluster.vllm.costs.calibration_samples`),
+passages) and, on a GPU, the worker's start-up prefills (:func:`cluster.vllm.cost_samples.calibration_samples`),
 never by full prefills (vLLM's own); one estimator serves every placement, as one
 worker's does, and :data:`WARMUP_RUNS` cost-aware runs per cell precede the timed ones.
 """
@@ -133,7 +133,8 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
 
     from blend.cost import kv_bytes_per_token
     from cluster.bench.gpu_harness import GpuBench
-    from cluster.vllm.costs import CostEstimator, calibration_samples, linear_keys, samples_of
+    from cluster.vllm.cost_samples import calibration_samples, samples_of
+    from cluster.vllm.costs import CostEstimator, linear_keys
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bench = GpuBench(args, device, [max(lengths)])
@@ -181,7 +182,8 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys,
     first-token logits, what the plan did (``full``, ``load``, or ``recompute:<k>``) and, for a
     cost-aware request, what the estimates predicted: ``[chosen, full prefill, always-load]``
     seconds (the lookup event's ``cost`` record)."""
-    from cluster.vllm.costs import plan_with_costs, samples_of
+    from cluster.vllm.cost_samples import samples_of
+    from cluster.vllm.costs import plan_with_costs
 
     source = places.sources[placement]
     engine = bench.BlendEngine(bench.adapter, source, load_timeout_s=60.0)

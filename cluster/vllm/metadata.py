@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from cluster.vllm.costs import CostSamples
+from cluster.vllm.cost_samples import CostSamples
 
 if TYPE_CHECKING:
     import torch

@@ -39,7 +39,7 @@ from blend.engine_select import QUERY_SELECTIONS
 from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
-from cluster.vllm.costs import CostSamples, calibration_samples, samples_of
+from cluster.vllm.cost_samples import CostSamples, calibration_samples, samples_of
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
@@ -179,7 +179,7 @@ class KVBlendWorker:
 
     def _sample_costs(self, c, keys: int, plan=None, local=()) -> None:
         """What one blend or prefill measured, for the scheduler half's cost estimates
-        (:func:`cluster.vllm.costs.samples_of`; ``local``: keys the gpu tier held)."""
+        (:func:`cluster.vllm.cost_samples.samples_of`; ``local``: keys the gpu tier held)."""
         engine = self._engine
         per_token = kv_bytes_per_token(engine.spec, engine.model.dtype.itemsize) if plan is not None else 0
         self._cost_samples = self._cost_samples.merge(samples_of(c, keys, plan, per_token, local))

@@ -115,7 +115,7 @@ class WorkerKVSource:
 
     def gpu_held(self, keys: Sequence[ChunkKey]) -> set[ChunkKey]:
         """Those of ``keys`` the gpu tier holds now: read with no transfer, so a blend's
-        transfer sample leaves them out (:func:`cluster.vllm.costs.samples_of`)."""
+        transfer sample leaves them out (:func:`cluster.vllm.cost_samples.samples_of`)."""
         if self.gpu is None or not keys:
             return set()
         return {k for k, held in zip(keys, self.gpu.contains(list(keys)), strict=True) if held}

@@ -9,13 +9,8 @@ import pytest
 
 from blend.cost import choose
 from blend.plan import CHUNK, BlendPlan, Segment
-from cluster.vllm.costs import (
-    EXPLORE_AFTER,
-    CostEstimator,
-    CostSamples,
-    calibration_samples,
-    linear_keys,
-)
+from cluster.vllm.cost_samples import CostSamples, calibration_samples
+from cluster.vllm.costs import EXPLORE_AFTER, CostEstimator, linear_keys
 
 pytestmark = pytest.mark.unit
 
@@ -328,7 +323,7 @@ def test_chunks_the_gpu_tier_held_are_not_a_transfer_sample():
     import dataclasses
     from types import SimpleNamespace
 
-    from cluster.vllm.costs import samples_of
+    from cluster.vllm.cost_samples import samples_of
     from tiers.keys import ChunkKey
 
     plan = _plan(["host", "host", "disk"])
