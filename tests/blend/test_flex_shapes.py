@@ -64,8 +64,46 @@ def test_rows_padded_to_a_larger_compiled_shape_attend_as_before(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_unprepared, want, rtol=1e-5, atol=1e-5)
     assert flex_shapes.compiled_shapes(CPU) == [(512, 512)]  # no (256, 512) was run
+    # the padded tiles past the rows' last one read no key block (they did one each at position 0)
+    mask = rows.block_mask
+    assert mask.kv_num_blocks[0, 0, 2:].tolist() == [0, 0] and mask.full_kv_num_blocks[0, 0, 2:].tolist() == [0, 0]
+    assert int(mask.kv_num_blocks[0, 0, :2].sum() + mask.full_kv_num_blocks[0, 0, :2].sum()) > 0
+
+
+def test_only_flex_pad_tiles_see_no_key():
+    pos = torch.tensor([5, 9, 300])
+    assert ops.pad_rows(pos, 256).tolist() == [5, 9] + [300] * 126 + [0] * 128  # the probe's padding
+    flex = ops.pad_rows(pos, 256, ops.PAD_TILE_POSITION)
+    assert flex.tolist() == [5, 9] + [300] * 126 + [ops.PAD_TILE_POSITION] * 128
 
 
 def test_prepare_flex_is_a_no_op_off_cuda():
     assert ops.prepare_flex(4096, 4, 2, 16, torch.float32, CPU, 0.25) == {"seconds": 0.0, "shapes": 0, "max_keys": 0}
     assert flex_shapes.rows_for(150, 512, CPU, 256) == 256
+
+
+def test_whole_pad_tiles_are_never_read(monkeypatch):
+    """Their queries are left unwritten (ops._padded_rows): NaN there changes no real row."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
+    padded_rows = ops._padded_rows
+
+    def nan_tiles(q, length):
+        out = padded_rows(q, length)
+        tile = -(-q.shape[0] // ops.FLEX_BLOCK) * ops.FLEX_BLOCK
+        assert torch.equal(out[q.shape[0]:tile], q[-1:].expand(tile - q.shape[0], -1, -1))
+        out[tile:] = float("nan")
+        return out
+
+    monkeypatch.setattr(ops, "_padded_rows", nan_tiles)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(150, 4, 16, generator=g)
+    k, v = torch.randn(400, 2, 16, generator=g), torch.randn(400, 2, 16, generator=g)
+    pos = torch.randperm(400, generator=g)[:150].sort().values
+    flex_shapes.note_compiled(CPU, 512, 512)
+    flex_shapes.mark_prepared(CPU, 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ops._flex_rows(q, pos, k, v, None, 0.25, ops.prepare_rows(pos, 400))
+    torch.testing.assert_close(got, dense_attention_reference(q, k, v, pos, 0.25), rtol=1e-5, atol=1e-5)

@@ -93,10 +93,11 @@ def test_blend_through_ops_ratio_one_is_full_prefill(monkeypatch):
     src.close()
 
 
-def test_prepared_flex_shapes_serve_other_row_counts_without_compiling():
+def test_prepared_flex_shapes_serve_other_row_counts_without_compiling(monkeypatch):
     """After :func:`blend.ops.prepare_flex` a call with a row count never compiled, gradients
     off as in a request, pads up to a compiled shape: dynamo builds no new graph, and the
-    result equals the dense reference."""
+    result equals the dense reference, also with NaN in the whole pad tiles' queries (the
+    compiled kernel reads none of them: ``ops._padded_rows`` leaves them unwritten)."""
     from torch._dynamo.utils import counters
 
     from blend import flex_shapes
@@ -115,6 +116,18 @@ def test_prepared_flex_shapes_serve_other_row_counts_without_compiling():
             got = ops.causal_attention(q, k, v, pos, 0.125, rows)
         assert rows.q_pos_padded.numel() == ops.shape_bucket(1500)  # not its own 384
         assert counters["stats"]["unique_graphs"] == graphs
-        torch.testing.assert_close(got, dense_attention_reference(q, k, v, pos, 0.125), rtol=2e-3, atol=2e-3)
+        want = dense_attention_reference(q, k, v, pos, 0.125)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        padded_rows = ops._padded_rows
+
+        def nan_tiles(q, length):
+            out = padded_rows(q, length)
+            out[-(-q.shape[0] // ops.FLEX_BLOCK) * ops.FLEX_BLOCK:] = float("nan")
+            return out
+
+        monkeypatch.setattr(ops, "_padded_rows", nan_tiles)
+        with torch.no_grad():
+            got = ops.causal_attention(q, k, v, pos, 0.125, rows)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     finally:
         flex_shapes.reset()
