@@ -50,7 +50,7 @@ def blocked_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, que
         scale: softmax scale (``head_dim ** -0.5`` for these models).
         rows: ignored; accepted so that this reference is a drop-in for
             :func:`blend.ops.causal_attention`, which takes the mask prepared by
-            :func:`blend.ops.prepare_rows`.
+            :func:`blend.flex_rows.prepare_rows`.
 
     Shapes:
         q: ``[Q, Hq, D]``; k, v: ``[T, H, D]``; query_idx: ``[Q]`` int64 in ``[0, T)``.

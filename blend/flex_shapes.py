@@ -1,7 +1,7 @@
 """Which FlexAttention shapes this process has compiled, and how many rows a call pads to.
 
-FlexAttention is compiled with static shapes (:func:`blend.ops._compiled_flex`): one kernel per
-``(query rows, keys)`` pair, both padded to :func:`blend.ops.shape_bucket` values. The first
+FlexAttention is compiled with static shapes (:func:`blend.flex_rows._compiled_flex`): one kernel per
+``(query rows, keys)`` pair, both padded to :func:`blend.flex_rows.shape_bucket` values. The first
 call of a new pair compiles inside that call: 2.4-4.7 s on an H200 (issue 33), and on an H100
 the cost-aware plans' exploration blends (one chunk loaded, the rest recomputed: many more rows
 than a plan that loads every hit) paid it in the request, 3.3-4.3 s against 0.23 s blends
@@ -9,16 +9,16 @@ than a plan that loads every hit) paid it in the request, 3.3-4.3 s against 0.23
 
 A call's keys fix its key bucket; its rows need not fix its row bucket. Padded query rows are
 nearly free: a whole 128-row tile of pad rows sits at position 0 and reads one key block
-(:func:`blend.ops.pad_rows`). So once this process has *prepared* a device
-(:func:`blend.ops.prepare_flex`: every key bucket up to a length compiled with as many rows as
+(:func:`blend.flex_rows.pad_rows`). So once this process has *prepared* a device
+(:func:`blend.flex_rows.prepare_flex`: every key bucket up to a length compiled with as many rows as
 keys, at start-up), a call whose own ``(rows, keys)`` pair is not compiled pads its rows up to
 the fewest rows compiled for its keys instead of compiling: no request compiles a shape up to
 the prepared length. Unprepared devices pad to their own bucket, as before (a shape compiles on
 first use). Bookkeeping only: no torch import; thread-safe (vLLM's worker and a probe-graph
 capture may both call in).
 
-Who calls it: :func:`blend.ops.prepare_rows` and :func:`blend.ops._flex_rows` (rows to pad to,
-and the shape a call compiled), :func:`blend.ops.prepare_flex` (marks a device prepared).
+Who calls it: :func:`blend.flex_rows.prepare_rows` and :func:`blend.flex_rows._flex_rows` (rows to pad to,
+and the shape a call compiled), :func:`blend.flex_rows.prepare_flex` (marks a device prepared).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _prepared: dict[str, int] = {}
 
 def rows_for(num_rows: int, keys: int, device, bucket: int) -> int:
     """Rows to pad a FlexAttention call of ``num_rows`` rows over ``keys`` padded keys to:
-    ``bucket`` (the rows' own :func:`blend.ops.shape_bucket`) unless ``device`` was prepared
+    ``bucket`` (the rows' own :func:`blend.flex_rows.shape_bucket`) unless ``device`` was prepared
     and that pair was never compiled, then the fewest rows compiled for ``keys`` that hold
     ``num_rows`` (``bucket`` when none does)."""
     dev = str(device)

@@ -15,7 +15,7 @@ work is captured once per shape bucket and replayed with one call:
                (eager)    the fresh K/V rows go back into the engine's layer buffer
 
 A bucket is ``(shape_bucket(A), shape_bucket(T'), probe_layers)``: rows and keys padded as
-FlexAttention already pads them (:func:`blend.ops.shape_bucket`). Pad rows repeat the last
+FlexAttention already pads them (:func:`blend.flex_rows.shape_bucket`). Pad rows repeat the last
 real row (finite everywhere), write their K/V to a trash row past the keys, and carry weight 0
 in the mass; pad keys are zeros no query sees. Every real row's result is the eager probe's up
 to the rounding of GEMMs over more rows (a CUDA library may pick another kernel for 128 rows

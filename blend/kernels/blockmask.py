@@ -1,6 +1,6 @@
 """Block tables of a FlexAttention mask for selected query rows over keys at ``0..T-1``.
 
-For CacheBlend's selected-row attention (:func:`blend.ops.selected_row_attention`) each query
+For CacheBlend's selected-row attention (:func:`blend.flex_rows.selected_row_attention`) each query
 row at position ``p`` sees keys ``0..p``. Per 128-row query block ``b`` (positions
 ``qmin_b..qmax_b``) and 128-key block ``c`` (keys ``c*128..``; the last block padded with
 keys no query reaches)::

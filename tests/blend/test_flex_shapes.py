@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from blend import flex_shapes, ops
+from blend import flex_rows, flex_shapes, ops
 from blend.attention import dense_attention_reference
 
 pytestmark = pytest.mark.unit
@@ -47,7 +47,7 @@ def test_a_prepared_device_pads_to_the_fewest_compiled_rows_that_hold_the_call()
 def test_rows_padded_to_a_larger_compiled_shape_attend_as_before(monkeypatch):
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
+    monkeypatch.setattr(flex_rows, "_compiled_flex", lambda: flex_attention)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(150, 4, 16, generator=g)
     k, v = torch.randn(400, 2, 16, generator=g), torch.randn(400, 2, 16, generator=g)
@@ -59,8 +59,8 @@ def test_rows_padded_to_a_larger_compiled_shape_attend_as_before(monkeypatch):
     assert rows.q_pos_padded.numel() == 512  # not its own 256
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = ops._flex_rows(q, pos, k, v, None, 0.25, rows)
-        got_unprepared = ops._flex_rows(q, pos, k, v, None, 0.25)  # pads to 512 as well (rows=None)
+        got = flex_rows._flex_rows(q, pos, k, v, None, 0.25, rows)
+        got_unprepared = flex_rows._flex_rows(q, pos, k, v, None, 0.25)  # pads to 512 as well (rows=None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_unprepared, want, rtol=1e-5, atol=1e-5)
     assert flex_shapes.compiled_shapes(CPU) == [(512, 512)]  # no (256, 512) was run
@@ -83,11 +83,11 @@ def test_prepare_flex_is_a_no_op_off_cuda():
 
 
 def test_whole_pad_tiles_are_never_read(monkeypatch):
-    """Their queries are left unwritten (ops._padded_rows): NaN there changes no real row."""
+    """Their queries are left unwritten (flex_rows._padded_rows): NaN there changes no real row."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
-    padded_rows = ops._padded_rows
+    monkeypatch.setattr(flex_rows, "_compiled_flex", lambda: flex_attention)
+    padded_rows = flex_rows._padded_rows
 
     def nan_tiles(q, length):
         out = padded_rows(q, length)
@@ -96,7 +96,7 @@ def test_whole_pad_tiles_are_never_read(monkeypatch):
         out[tile:] = float("nan")
         return out
 
-    monkeypatch.setattr(ops, "_padded_rows", nan_tiles)
+    monkeypatch.setattr(flex_rows, "_padded_rows", nan_tiles)
     g = torch.Generator().manual_seed(4)
     q = torch.randn(150, 4, 16, generator=g)
     k, v = torch.randn(400, 2, 16, generator=g), torch.randn(400, 2, 16, generator=g)
@@ -105,5 +105,5 @@ def test_whole_pad_tiles_are_never_read(monkeypatch):
     flex_shapes.mark_prepared(CPU, 512)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = ops._flex_rows(q, pos, k, v, None, 0.25, ops.prepare_rows(pos, 400))
+        got = flex_rows._flex_rows(q, pos, k, v, None, 0.25, ops.prepare_rows(pos, 400))
     torch.testing.assert_close(got, dense_attention_reference(q, k, v, pos, 0.25), rtol=1e-5, atol=1e-5)

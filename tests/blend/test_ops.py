@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blend import engine as engine_module
-from blend import ops
+from blend import flex_rows, ops
 from blend.attention import blocked_row_attention, dense_attention_reference
 from blend.engine import BlendEngine
 from blend.rope import rerotate_k
@@ -93,7 +93,7 @@ def test_causal_attention_is_a_drop_in_for_blocked_row_attention(monkeypatch):
     q, k, v = torch.randn(50, 4, 16, generator=g), torch.randn(50, 2, 16, generator=g), torch.randn(50, 2, 16, generator=g)
     torch.testing.assert_close(ops.causal_attention(q, k, v, None, 0.25), blocked_row_attention(q, k, v, None, 0.25))
     idx = torch.tensor([0, 7, 8, 30, 49])
-    monkeypatch.setattr(ops, "REFERENCE_QUERY_BLOCK", 2)  # several query blocks
+    monkeypatch.setattr(flex_rows, "REFERENCE_QUERY_BLOCK", 2)  # several query blocks
     torch.testing.assert_close(ops.causal_attention(q[idx], k, v, idx, 0.25), blocked_row_attention(q[idx], k, v, idx, 0.25))
     with pytest.raises(ValueError):
         ops.causal_attention(q[:3], k, v, idx, 0.25)
@@ -142,15 +142,15 @@ def test_flex_path_pads_queries_and_matches_reference(monkeypatch, num_q):
     """The CUDA path (query padding to 128 rows, cached key blocks), run with eager flex."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
+    monkeypatch.setattr(flex_rows, "_compiled_flex", lambda: flex_attention)
     g = torch.Generator().manual_seed(num_q)
     q = torch.randn(num_q, 4, 16, generator=g)
     k, v = torch.randn(400, 2, 16, generator=g), torch.randn(400, 2, 16, generator=g)
     pos = torch.randperm(400, generator=g)[:num_q].sort().values
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = ops._flex_rows(q, pos, k, v, None, 0.25)
-        got_kv = ops._flex_rows(q, pos, k, v, torch.arange(400), 0.25)
+        got = flex_rows._flex_rows(q, pos, k, v, None, 0.25)
+        got_kv = flex_rows._flex_rows(q, pos, k, v, torch.arange(400), 0.25)
     want = dense_attention_reference(q, k, v, pos, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_kv, want, rtol=1e-5, atol=1e-5)
@@ -172,7 +172,7 @@ def test_prepared_rows_are_reused_and_checked(monkeypatch):
     """A RowMask built once per request gives the same attention as per-call masks."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
+    monkeypatch.setattr(flex_rows, "_compiled_flex", lambda: flex_attention)
     g = torch.Generator().manual_seed(21)
     pos = torch.randperm(500, generator=g)[:150].sort().values
     rows = ops.prepare_rows(pos, 500)
@@ -183,7 +183,7 @@ def test_prepared_rows_are_reused_and_checked(monkeypatch):
         k, v = torch.randn(500, 2, 16, generator=g), torch.randn(500, 2, 16, generator=g)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = ops._flex_rows(q, pos, k, v, None, 0.25, rows)
+            got = flex_rows._flex_rows(q, pos, k, v, None, 0.25, rows)
         want = dense_attention_reference(q, k, v, pos, 0.25)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ops.causal_attention(q, k, v, pos, 0.25, rows), want, rtol=1e-5, atol=1e-5)
@@ -212,7 +212,7 @@ def test_bucketed_rows_and_keys_attend_like_the_reference(monkeypatch, num_q, nu
     without a prepared RowMask, with and without explicit key positions."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(ops, "_compiled_flex", lambda: flex_attention)
+    monkeypatch.setattr(flex_rows, "_compiled_flex", lambda: flex_attention)
     g = torch.Generator().manual_seed(num_q + num_kv)
     q = torch.randn(num_q, 4, 16, generator=g)
     k, v = torch.randn(num_kv, 2, 16, generator=g), torch.randn(num_kv, 2, 16, generator=g)
@@ -222,8 +222,8 @@ def test_bucketed_rows_and_keys_attend_like_the_reference(monkeypatch, num_q, nu
     want = dense_attention_reference(q, k, v, pos, 0.25)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for got in (ops._flex_rows(q, pos, k, v, None, 0.25), ops._flex_rows(q, pos, k, v, None, 0.25, rows),
-                    ops._flex_rows(q, pos, k, v, torch.arange(num_kv), 0.25)):
+        for got in (flex_rows._flex_rows(q, pos, k, v, None, 0.25), flex_rows._flex_rows(q, pos, k, v, None, 0.25, rows),
+                    flex_rows._flex_rows(q, pos, k, v, torch.arange(num_kv), 0.25)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -235,9 +235,9 @@ def test_compiling_flex_raises_dynamo_recompile_limit(monkeypatch):
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     monkeypatch.setattr(torch._dynamo.config, name, 8)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
-    ops._compiled_flex.cache_clear()
+    flex_rows._compiled_flex.cache_clear()
     try:
-        ops._compiled_flex()
-        assert getattr(torch._dynamo.config, name) == ops.FLEX_RECOMPILE_LIMIT
+        flex_rows._compiled_flex()
+        assert getattr(torch._dynamo.config, name) == flex_rows.FLEX_RECOMPILE_LIMIT
     finally:
-        ops._compiled_flex.cache_clear()
+        flex_rows._compiled_flex.cache_clear()

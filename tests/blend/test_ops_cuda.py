@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blend import engine as engine_module
-from blend import ops
+from blend import flex_rows, ops
 from blend.attention import dense_attention_reference
 from blend.engine import BlendEngine
 from tests.factories import F32_TOL, all_hit_plan, fill_tiers, ops_adapter, random_chunks
@@ -49,7 +49,7 @@ def test_flex_selected_row_attention_matches_dense_reference(num_keys, num_q, or
     if ordered:
         pos = pos.sort().values
     got = ops.selected_row_attention(q, pos, k, v, None, 128 ** -0.5)
-    assert not ops._FLEX_BROKEN, ops._FLEX_BROKEN  # the fast path ran
+    assert not flex_rows._FLEX_BROKEN, flex_rows._FLEX_BROKEN  # the fast path ran
     assert rel_err(got, dense_attention_reference(q, k, v, pos, 128 ** -0.5)) < 1e-2
     ref = ops.selected_row_attention_reference(q, pos, k, v, None, 128 ** -0.5)
     assert rel_err(got, ref) < 1e-2
@@ -97,7 +97,7 @@ def test_prepared_flex_shapes_serve_other_row_counts_without_compiling(monkeypat
     """After :func:`blend.ops.prepare_flex` a call with a row count never compiled, gradients
     off as in a request, pads up to a compiled shape: dynamo builds no new graph, and the
     result equals the dense reference, also with NaN in the whole pad tiles' queries (the
-    compiled kernel reads none of them: ``ops._padded_rows`` leaves them unwritten)."""
+    compiled kernel reads none of them: ``flex_rows._padded_rows`` leaves them unwritten)."""
     from torch._dynamo.utils import counters
 
     from blend import flex_shapes
@@ -118,14 +118,14 @@ def test_prepared_flex_shapes_serve_other_row_counts_without_compiling(monkeypat
         assert counters["stats"]["unique_graphs"] == graphs
         want = dense_attention_reference(q, k, v, pos, 0.125)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-        padded_rows = ops._padded_rows
+        padded_rows = flex_rows._padded_rows
 
         def nan_tiles(q, length):
             out = padded_rows(q, length)
             out[-(-q.shape[0] // ops.FLEX_BLOCK) * ops.FLEX_BLOCK:] = float("nan")
             return out
 
-        monkeypatch.setattr(ops, "_padded_rows", nan_tiles)
+        monkeypatch.setattr(flex_rows, "_padded_rows", nan_tiles)
         with torch.no_grad():
             got = ops.causal_attention(q, k, v, pos, 0.125, rows)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
