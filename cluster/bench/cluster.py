@@ -18,7 +18,8 @@ shard, each advertising the shard resource, object stores of ``--object-store-gi
   :class:`tiers.host.HostTier` in this process with :func:`tiers.reader.read_layer` (same
   checksum and copy work, no Ray, no client). ``client_ratio = client_gbps / direct_gbps``.
 * the vLLM connector's default client (``agent``: Ray in a child cache agent, issue 18) against
-  the in-process client, side by side: ``agent.lookup_ms``, ``agent.read_gbps`` (cold reads of
+  the in-process client, side by side: ``agent.lookup_ms`` (timed lookup by lookup alternately
+  with the in-process client's ``driver_lookup_ms``), ``agent.read_gbps`` (cold reads of
   every layer, median of >= 7 passes and its range), ``agent.read_ratio`` = agent / in-process.
 * the CUDA worker's path, measured on the CPU: :class:`tiers.staging.StagedSource` over
   ``CacheClient.host_layers()`` (objects mapped from a cold client cache, then staged)
@@ -213,7 +214,7 @@ def _agent_row(cfg, client, keys: list, num_layers: int, reps: int, nbytes: int,
 
     agent = make_client(cfg, NAMESPACE, agent=True)
     try:
-        lat_agent, lat_driver = _lookup_ms(agent, keys, lookups), _lookup_ms(client, keys, lookups)
+        lat_agent, lat_driver = _lookup_pair_ms(agent, client, keys, lookups)
         t_agent, t_driver = [], []
         # one untimed pass each first: the agent's arena pages are faulted in on their first use
         # (once per agent: ~1 s per 128 MiB on this VM; registered, hence resident, on CUDA)
@@ -240,9 +241,9 @@ def _agent_row(cfg, client, keys: list, num_layers: int, reps: int, nbytes: int,
             "read_ratio": a / d, "passes": len(t_agent), "num_lookups": lookups}
 
 
-def _lookup_ms(client, all_keys: list, lookups: int) -> list[float]:
-    """Milliseconds of each of ``lookups`` lookups of 16 random stored keys (after 10 warm-up)."""
-    for _ in range(10):  # warm up
+def _lookup_ms(client, all_keys: list, lookups: int, warm_up: int = 10) -> list[float]:
+    """Milliseconds of each of ``lookups`` lookups of 16 random stored keys (after ``warm_up``)."""
+    for _ in range(warm_up):
         client.lookup(random.sample(all_keys, NUM_SEGMENTS))
     lat = []
     for _ in range(lookups):
@@ -252,6 +253,20 @@ def _lookup_ms(client, all_keys: list, lookups: int) -> list[float]:
         lat.append((time.perf_counter() - t0) * 1e3)
         if any(m is None for m in metas):
             raise RuntimeError("a stored chunk was missed")
+    return lat
+
+
+def _lookup_pair_ms(first, second, all_keys: list, lookups: int) -> tuple[list[float], list[float]]:
+    """:func:`_lookup_ms` of two clients side by side: each round times one lookup of each,
+    in random order (a machine whose load drifts during the run weighs on both alike; timed
+    one block after the other, the agent's ratio to the in-process client swung 1.3-1.9 between
+    runs of the same code on a shared 2-core machine)."""
+    for c in (first, second):
+        _lookup_ms(c, all_keys, 0)
+    lat: tuple[list[float], list[float]] = ([], [])
+    for _ in range(lookups):
+        for i in random.sample((0, 1), 2):
+            lat[i].append(_lookup_ms((first, second)[i], all_keys, 1, warm_up=0)[0])
     return lat
 
 
