@@ -39,11 +39,12 @@ from blend.engine_select import QUERY_SELECTIONS
 from cluster.heap import HeapTrimmer
 from cluster.vllm import paged
 from cluster.vllm.affinity import unpin_thread
-from cluster.vllm.cost_samples import CostSamples, calibration_samples, samples_of
+from cluster.vllm.cost_samples import CostSamples, samples_of
 from cluster.vllm.events import EventLog, WarnOnce
 from cluster.vllm.metadata import KVBlendConnectorMetadata, LoadSpec, StoreSpec
 from cluster.vllm.metrics import Counters
 from cluster.vllm.store_queue import StoreQueue
+from cluster.vllm.worker_engine import build_worker_engine
 
 log = logging.getLogger("kvblend.connector")
 
@@ -105,70 +106,14 @@ class KVBlendWorker:
                                  counters=counters, events=events, warn=warn, thread_initializer=unpin_thread)
 
     def _engine_for_worker(self):
-        """The blend engine over the model vLLM built in this process (built on first use,
-        with the worker's KV source)."""
+        """The blend engine over the model vLLM built in this process (built on first use, with
+        the worker's KV source: :func:`cluster.vllm.worker_engine.build_worker_engine`)."""
         with self._engine_lock:
             if self._engine is None:
-                from blend.adapters.vllm import vllm_adapter
-                from blend.engine import BlendEngine
-                from cluster.vllm.model_hook import current_model
-                from cluster.vllm.worker_source import build_worker_source
-
-                model = current_model()
-                on_cuda = next(model.parameters()).is_cuda
-                adapter = vllm_adapter(model, model_id=self.model_id,
-                                       compile=self.config.blend.compile_layers and on_cuda)
-                if getattr(adapter, "compiled", False):
-                    log.info("compiled the fused layers in %.1f s", adapter.warm_up())
-                self._source = build_worker_source(
-                    self.client, adapter.device, adapter.spec.num_layers,
-                    gpu_bytes=int(self.config.tiers.gpu_size_gib * 2**30),
-                    policy=self.config.tiers.eviction_policy,
-                    pinned_bytes=int(self.config.tiers.pinned_size_gib * 2**30))
-                engine = BlendEngine(adapter, self._source, load_timeout_s=self.config.blend.load_timeout_s)
-                self._prepare_flex(adapter, engine.scale, on_cuda)
-                engine.probe_graphs = self._probe_graphs(adapter, engine.scale, on_cuda)
-                if on_cuda:  # the cost estimates' row rate, off the launch-bound floor (issue 34)
-                    try:
-                        with torch.inference_mode():
-                            self._cost_samples = self._cost_samples.merge(
-                                calibration_samples(engine, adapter.spec.max_position or 0))
-                    except Exception as e:  # noqa: BLE001 - the estimates then learn from requests only
-                        log.warning("the cost calibration's prefills failed (%s: %s)", type(e).__name__, e)
+                engine, self._source, samples = build_worker_engine(self.config, self.client, self.model_id)
+                self._cost_samples = self._cost_samples.merge(samples)
                 self._engine = engine
             return self._engine
-
-    def _prepare_flex(self, adapter, scale: float, on_cuda: bool) -> None:
-        """FlexAttention's shapes compiled now, at start-up, for prompts up to
-        ``blend.flex_warm_tokens`` (:func:`blend.ops.prepare_flex`), before the probe's graphs
-        capture any; nothing off CUDA or at 0."""
-        tokens = min(self.config.blend.flex_warm_tokens, adapter.spec.max_position or 0)
-        if not (on_cuda and tokens > 0):
-            return
-        from blend.ops import prepare_flex
-
-        spec = adapter.spec
-        with torch.inference_mode():  # as the worker's blends run: compiled code is guarded by the mode
-            done = prepare_flex(tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim, adapter.dtype,
-                                adapter.device, scale)
-        log.info("compiled FlexAttention for %d shapes up to %d keys in %.1f s", done["shapes"],
-                 done["max_keys"], done["seconds"])
-
-    def _probe_graphs(self, adapter, scale: float, on_cuda: bool):
-        """The query probe's CUDA graphs (``blend.probe_graph_tokens`` > 0, on CUDA, a
-        selection that probes), every bucket captured now, at start-up; None when off."""
-        from blend.engine_select import QUERY_SELECTIONS
-
-        tokens = self.config.blend.probe_graph_tokens
-        if not (on_cuda and tokens > 0 and self.config.blend.selection in QUERY_SELECTIONS):
-            return None
-        from blend.probe_graphs import ProbeGraphs
-        from blend.query_selection import probe_layers_for
-
-        graphs = ProbeGraphs(adapter, scale, tokens)
-        seconds = graphs.prepare_all(probe_layers_for(self.config.blend.probe_layers, adapter.spec.num_layers))
-        log.info("captured the query probe's CUDA graphs in %.1f s: %s", seconds, graphs.stats())
-        return graphs
 
     def _canonical_kv(self, ids: list[int]) -> torch.Tensor:
         """KV of ``ids`` alone at positions ``0..n-1``, ``[L, 2, T, H, D]`` on the CPU."""
