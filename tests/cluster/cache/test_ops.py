@@ -62,13 +62,24 @@ def test_requests_round_trip_and_frames_refuse_unknown_ops_and_types():
     with pytest.raises(ValueError, match="takes a LookupRequest"):
         request_frame("lookup", KeysRequest((key,)))
     for bad in ({"keys": [str(key)], "known": [1]}, {"keys": [str(key)], "known": [True, False]},
-                {"keys": "k"}):
+                {"keys": "k"}, {"keys": [7]}, {"keys": [[str(key)]]}, {"keys": [{"a": 1}]},
+                {"keys": ["not a key"]}, {"keys": ["ns/seg/a/b"]}):
         with pytest.raises(ValueError):
             LookupRequest.from_wire(bad, [])
     with pytest.raises(ValueError):
         PutRequest.from_wire({"keys": [str(key), str(key)]}, [b"a"])
     with pytest.raises(ValueError):
         ObjectsRequest.from_wire({"keys": [str(key)], "slots": [[0, "4"]]}, [])
+
+
+def test_parsed_keys_are_kept_and_equal_to_a_fresh_parse_and_a_malformed_one_raises_each_time():
+    key = make_key(3)
+    first = LookupRequest.from_wire({"keys": [str(key)]}, []).keys[0]
+    again = LookupRequest.from_wire({"keys": [str(key)]}, []).keys[0]
+    assert first == key == again and hash(first) == hash(key) and str(first) == str(key)
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            LookupRequest.from_wire({"keys": [str(key).replace("/", ".")]}, [])
 
 
 def test_lookup_answers_round_trip_and_malformed_ones_are_misses():
