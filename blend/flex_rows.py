@@ -48,9 +48,10 @@ _NEVER = NEVER
 #: pad up to the key count (256 MB of queries a layer at 32K keys)
 PROBE_ROWS = (128,)
 #: Position of a whole tile of padded query rows in :func:`selected_row_attention`: before
-#: every key, so the block mask gives the tile no key block and the kernel does no work for it.
-#: At position 0 each such tile read one key block: an 8K blend's 1,302 rows padded to a
-#: prepared 12,288-row shape took 1.149 ms a layer against 0.547 ms unpadded (H100, 2026-12-07).
+#: every key, so the block mask gives the tile no key block (its program loads the tile's
+#: queries and writes zeros, nothing else). At position 0 each such tile read one key block:
+#: an 8K blend's 1,302 rows padded to a prepared 12,288-row shape took 0.786 ms a layer against
+#: 0.544 ms unpadded, 0.716 ms at -1 (H100, 2026-12-07; ``docs/flexpad-h100.json``).
 PAD_TILE_POSITION = -1
 #: Compiled FlexAttention shapes kept before torch.compile gives up and runs it eagerly
 #: (dynamo's default is 8; every (query bucket, key bucket) pair is one shape, see
@@ -140,7 +141,8 @@ def build_block_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor | None, num_kv: i
         skipped otherwise
 
     Sorted ``q_pos`` (the engine's ascending rows) gives the fewest partial blocks; any order
-    is correct. Padded keys get a position no query reaches; padded queries repeat the last.
+    is correct. Padded keys get a position no query reaches; padded queries repeat the last
+    (whole pad tiles: see :func:`pad_rows`).
 
     Args:
         q_pos: position of each query row (pad rows already appended, if any).
@@ -268,8 +270,8 @@ def pad_rows(q_pos: torch.Tensor, length: int, tail: int = 0) -> torch.Tensor:
 def _padded_rows(q: torch.Tensor, length: int) -> torch.Tensor:
     """Queries ``[Q, Hq, D]`` in a ``[length, Hq, D]`` buffer: the pad rows of the last real
     128-row tile repeat the last row; whole pad tiles are left unwritten, as their position
-    (:data:`PAD_TILE_POSITION`) gives them no key block: the kernel computes nothing from them
-    and their output rows are dropped. Writing them (a ``cat``) cost 0.19 ms a layer for an 8K
+    (:data:`PAD_TILE_POSITION`) gives them no key block: the kernel loads their queries but
+    multiplies them with no key (their rows come out 0) and their output rows are dropped. Writing them (a ``cat``) cost 0.19 ms a layer for an 8K
     blend's rows padded to a prepared 12,288-row shape (H100, 2026-12-07)."""
     num_q = q.shape[0]
     tile = min(length, -(-num_q // FLEX_BLOCK) * FLEX_BLOCK)
@@ -330,7 +332,8 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
     """The FlexAttention path of :func:`selected_row_attention` (any device; CUDA in use)."""
     device = k.device
     num_q, num_kv = q_sel.shape[0], k.shape[0]
-    # Query rows and keys padded to shape buckets (rows: copies of the last one, dropped after;
+    # Query rows and keys padded to shape buckets (rows: the last tile's copies of the last row,
+    # whole tiles unwritten at PAD_TILE_POSITION, all dropped after;
     # keys: zeros no query sees): torch 2.11's inductor finds no flex kernel for fewer than
     # 128 rows (H200, 2026-11-29), and each (rows, keys) shape is compiled once, so buckets
     # bound the number of compiled shapes over any mix of prompt lengths; on a device that
@@ -358,7 +361,7 @@ def _flex_rows(q_sel, q_pos, k, v, kv_pos, scale, rows: RowMask | None = None):
             raise  # a CUDA graph's capture failed (blend.probe_graphs), not FlexAttention
         _FLEX_BROKEN.append(f"{type(e).__name__}: {e}")
         log.warning("FlexAttention unavailable (%s: %s); using the SDPA reference", type(e).__name__, e)
-        return selected_row_attention_reference(q_sel[:num_q], q_pos[:num_q], k, v, kv_pos, scale)
+        return selected_row_attention_reference(q_sel[:num_q], q_pos[:num_q], k[:num_kv], v[:num_kv], kv_pos, scale)
     flex_shapes.note_compiled(device, num_q_pad, kv_len)
     return out[0, :, :num_q].transpose(0, 1).reshape(num_q, -1)  # [Q, Hq * D]
 

@@ -45,7 +45,8 @@ def block_tables_reference(q_pos_padded: torch.Tensor, num_kv: int, block_size: 
     """``(kv_num [nqb], kv_idx [nqb, nkb], full_num, full_idx)`` int32, plain torch.
 
     Shapes:
-        q_pos_padded: ``[nqb * block_size]`` int64 (padded rows repeat a real position).
+        q_pos_padded: ``[nqb * block_size]`` int64 (padded rows repeat a real position, or
+            sit before every key: ``blend.flex_rows.PAD_TILE_POSITION``).
     """
     nqb = q_pos_padded.numel() // block_size
     qb = q_pos_padded.view(nqb, block_size)

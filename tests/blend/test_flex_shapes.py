@@ -82,8 +82,9 @@ def test_prepare_flex_is_a_no_op_off_cuda():
     assert flex_shapes.rows_for(150, 512, CPU, 256) == 256
 
 
-def test_whole_pad_tiles_are_never_read(monkeypatch):
-    """Their queries are left unwritten (flex_rows._padded_rows): NaN there changes no real row."""
+def test_whole_pad_tiles_change_no_row(monkeypatch):
+    """Their queries are left unwritten (flex_rows._padded_rows): NaN there changes no real row
+    (the kernel loads them but multiplies them with no key)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     monkeypatch.setattr(flex_rows, "_compiled_flex", lambda: flex_attention)
@@ -107,3 +108,24 @@ def test_whole_pad_tiles_are_never_read(monkeypatch):
         warnings.simplefilter("ignore")
         got = flex_rows._flex_rows(q, pos, k, v, None, 0.25, ops.prepare_rows(pos, 400))
     torch.testing.assert_close(got, dense_attention_reference(q, k, v, pos, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_flex_call_with_key_positions_falls_back_to_the_unpadded_keys(monkeypatch):
+    """The SDPA reference gets the keys as they came (not padded to their bucket) with their
+    positions, and the call still answers right."""
+    def broken():
+        def flex(*args, **kwargs):
+            raise RuntimeError("no compiler")
+        return flex
+
+    monkeypatch.setattr(flex_rows, "_compiled_flex", broken)
+    monkeypatch.setattr(flex_rows, "_FLEX_BROKEN", [])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(150, 4, 16, generator=g)
+    k, v = torch.randn(400, 2, 16, generator=g), torch.randn(400, 2, 16, generator=g)
+    pos = torch.randperm(400, generator=g)[:150].sort().values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = flex_rows._flex_rows(q, pos, k, v, torch.arange(400), 0.25)
+    torch.testing.assert_close(got, dense_attention_reference(q, k, v, pos, 0.25), rtol=1e-5, atol=1e-5)
+    assert flex_rows._FLEX_BROKEN == ["RuntimeError: no compiler"]

@@ -97,7 +97,7 @@ def test_prepared_flex_shapes_serve_other_row_counts_without_compiling(monkeypat
     """After :func:`blend.ops.prepare_flex` a call with a row count never compiled, gradients
     off as in a request, pads up to a compiled shape: dynamo builds no new graph, and the
     result equals the dense reference, also with NaN in the whole pad tiles' queries (the
-    compiled kernel reads none of them: ``flex_rows._padded_rows`` leaves them unwritten)."""
+    compiled kernel multiplies them with no key: ``flex_rows._padded_rows`` leaves them unwritten)."""
     from torch._dynamo.utils import counters
 
     from blend import flex_shapes
