@@ -16,7 +16,8 @@ at its first blend or canonical prefill). In order:
    ``blend.probe_graph_tokens`` (:class:`blend.probe_graphs.ProbeGraphs`), then the cost
    estimates' calibration prefills (:func:`cluster.vllm.cost_samples.calibration_samples`).
    Each runs under ``torch.inference_mode`` as the worker's blends do (compiled code is
-   guarded by the mode). A failed calibration is logged and never stops vLLM.
+   guarded by the mode). A failed calibration is logged and never stops vLLM; any other failure
+   closes the source it built and raises.
 """
 
 from __future__ import annotations
@@ -60,11 +61,16 @@ def build_worker_engine(config, client, model_id: str):
         gpu_bytes=int(config.tiers.gpu_size_gib * 2**30),
         policy=config.tiers.eviction_policy,
         pinned_bytes=int(config.tiers.pinned_size_gib * 2**30))
-    engine = BlendEngine(adapter, source, load_timeout_s=config.blend.load_timeout_s)
+    try:
+        engine = BlendEngine(adapter, source, load_timeout_s=config.blend.load_timeout_s)
+        if on_cuda:
+            _prepare_flex(config, adapter, engine.scale)
+            engine.probe_graphs = _probe_graphs(config, adapter, engine.scale)
+    except BaseException:  # e.g. probe layers the model lacks: the source's threads and pinned memory go
+        source.close()
+        raise
     samples = CostSamples()
     if on_cuda:
-        _prepare_flex(config, adapter, engine.scale)
-        engine.probe_graphs = _probe_graphs(config, adapter, engine.scale)
         try:  # the cost estimates' row rate, off the launch-bound floor (issue 34)
             with torch.inference_mode():
                 samples = calibration_samples(engine, adapter.spec.max_position or 0)
