@@ -24,13 +24,19 @@ import torch.nn.functional as F
 QUERY_BLOCK = 128
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None) -> None:
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str = "q") -> None:
+    """Raise ValueError unless ``q`` is ``[Q, Hq, D]`` and ``k``, ``v`` are ``[T, H, D]`` with
+    ``Hq`` a multiple of ``H`` (grouped-query heads)."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"q must be [Q, Hq, D], k and v [T, H, D]; got {tuple(q.shape)}, "
+        raise ValueError(f"{name} must be [Q, Hq, D], k and v [T, H, D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]} "
                          f"with the same head dim")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_idx: torch.Tensor | None) -> None:
+    check_heads(q, k, v)
     if query_idx is None:
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"query_idx=None needs one query per key: {q.shape[0]} != {k.shape[0]}")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from blend import flex_shapes
+from blend.attention import check_heads
 from blend.kernels.blockmask import NEVER, block_tables
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,7 @@ def shape_bucket(n: int) -> int:
 
 
 def _check_attention(q_sel, q_pos, k, v, kv_pos) -> None:
-    if q_sel.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"q_sel must be [Q, Hq, D], k and v [T, H, D]; got {tuple(q_sel.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q_sel.shape[1] % k.shape[1] or q_sel.shape[2] != k.shape[2]:
-        raise ValueError(f"query heads {q_sel.shape[1]} must be a multiple of KV heads {k.shape[1]} "
-                         f"with the same head dim")
+    check_heads(q_sel, k, v, "q_sel")
     if q_pos.shape != (q_sel.shape[0],):
         raise ValueError(f"q_pos must be [{q_sel.shape[0]}], got {tuple(q_pos.shape)}")
     if kv_pos is not None and kv_pos.shape != (k.shape[0],):
