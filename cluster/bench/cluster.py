@@ -241,32 +241,29 @@ def _agent_row(cfg, client, keys: list, num_layers: int, reps: int, nbytes: int,
             "read_ratio": a / d, "passes": len(t_agent), "num_lookups": lookups}
 
 
-def _lookup_ms(client, all_keys: list, lookups: int, warm_up: int = 10) -> list[float]:
-    """Milliseconds of each of ``lookups`` lookups of 16 random stored keys (after ``warm_up``)."""
-    for _ in range(warm_up):
-        client.lookup(random.sample(all_keys, NUM_SEGMENTS))
-    lat = []
-    for _ in range(lookups):
-        plan = random.sample(all_keys, NUM_SEGMENTS)
-        t0 = time.perf_counter()
-        metas = client.lookup(plan)
-        lat.append((time.perf_counter() - t0) * 1e3)
-        if any(m is None for m in metas):
-            raise RuntimeError("a stored chunk was missed")
-    return lat
+def _lookup_ms(client, all_keys: list, lookups: int) -> list[float]:
+    """Milliseconds of each of ``lookups`` lookups of 16 random stored keys (after 10 warm-up)."""
+    return _lookup_pair_ms(client, None, all_keys, lookups)[0]
 
 
 def _lookup_pair_ms(first, second, all_keys: list, lookups: int) -> tuple[list[float], list[float]]:
-    """:func:`_lookup_ms` of two clients side by side: each round times one lookup of each,
-    in random order (a machine whose load drifts during the run weighs on both alike; timed
-    one block after the other, the agent's ratio to the in-process client swung 1.3-1.9 between
-    runs of the same code on a shared 2-core machine)."""
-    for c in (first, second):
-        _lookup_ms(c, all_keys, 0)
+    """:func:`_lookup_ms` of two clients side by side (``second`` None: ``first`` alone): each
+    round times one lookup of each, in random order (a machine whose load drifts during the run
+    weighs on both alike; timed one block after the other, the agent's ratio to the in-process
+    client swung 1.3-1.9 between runs of the same code on a shared 2-core machine)."""
+    clients = [c for c in (first, second) if c is not None]
+    for c in clients:
+        for _ in range(10):  # warm up
+            c.lookup(random.sample(all_keys, NUM_SEGMENTS))
     lat: tuple[list[float], list[float]] = ([], [])
     for _ in range(lookups):
-        for i in random.sample((0, 1), 2):
-            lat[i].append(_lookup_ms((first, second)[i], all_keys, 1, warm_up=0)[0])
+        for i in random.sample(range(len(clients)), len(clients)):
+            plan = random.sample(all_keys, NUM_SEGMENTS)
+            t0 = time.perf_counter()
+            metas = clients[i].lookup(plan)
+            lat[i].append((time.perf_counter() - t0) * 1e3)
+            if any(m is None for m in metas):
+                raise RuntimeError("a stored chunk was missed")
     return lat
 
 

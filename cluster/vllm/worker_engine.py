@@ -15,8 +15,8 @@ at its first blend or canonical prefill). In order:
    (:func:`blend.flex_rows.prepare_flex`), then the query probe's CUDA graphs up to
    ``blend.probe_graph_tokens`` (:class:`blend.probe_graphs.ProbeGraphs`), then the cost
    estimates' calibration prefills (:func:`cluster.vllm.cost_samples.calibration_samples`).
-   Each runs under ``torch.inference_mode`` as the worker's blends do (compiled code is
-   guarded by the mode). A failed calibration is logged and never stops vLLM; any other failure
+   The compile and the calibration run under ``torch.inference_mode`` as the worker's blends
+   do (compiled code is guarded by the mode); the capture runs with gradients off. A failed calibration is logged and never stops vLLM; any other failure
    closes the source it built and raises.
 """
 
