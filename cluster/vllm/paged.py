@@ -131,3 +131,49 @@ def detect_layout(cache: torch.Tensor, is_cpu_platform: bool) -> str:
     if cache.dim() == 5 and cache.shape[1] == 2:
         return "flashinfer"
     raise ValueError(f"unrecognised paged KV cache shape {tuple(cache.shape)}")
+
+
+class ClaimedLayerWrites:
+    """A blend's per-layer callback in the vLLM worker (``on_layer`` of
+    :meth:`blend.engine.BlendEngine.blend_steps`): each layer's claimed rows ``[start, end)``
+    go into vLLM's paged cache at ``slot_mapping``, and whether they are finite is kept on the
+    device (an ``and`` per layer, no host sync) until :meth:`all_finite` reads it once.
+
+    Who calls it: :class:`cluster.vllm.worker.KVBlendWorker` for every blend load (and the
+    full prefill a failed load falls back to), writing through the attention backend's own
+    cache update; ``kvblend bench gpu`` times the same callback over a paged cache of its own,
+    written by :func:`blend.kernels.paged.scatter_paged` (no vLLM on the GPU machine).
+
+    Args:
+        start, end: the claimed token rows (vLLM computed ``[0, start)`` itself).
+        slot_mapping: ``[end - start]`` int64 slots of those rows.
+        write: ``write(layer_idx, kv, slot_mapping)`` with ``kv`` ``[2, end - start, H, D]``.
+    """
+
+    def __init__(self, start: int, end: int, slot_mapping: torch.Tensor, write) -> None:
+        self.start, self.end, self.slot_mapping, self._write = int(start), int(end), slot_mapping, write
+        self._finite: torch.Tensor | None = None  # [] bool on the model's device
+
+    def __call__(self, layer_idx: int, kv: torch.Tensor) -> None:
+        """One layer's final KV ``[2, T, H, D]`` (``T >= end``).
+
+        Raises:
+            RuntimeError: fewer rows than claimed."""
+        if kv.shape[1] < self.end:
+            raise RuntimeError(f"engine produced {kv.shape[1]} rows, {self.end} claimed")
+        rows = kv[:, self.start:self.end]
+        ok = torch.isfinite(rows).all()
+        if self._finite is None:
+            self._finite = ok.clone()
+        else:
+            self._finite.logical_and_(ok)
+        self._write(layer_idx, rows, self.slot_mapping)
+
+    def all_finite(self) -> bool:
+        """Every row written since the last :meth:`reset` was finite (one host sync; True when
+        nothing was written)."""
+        return self._finite is None or bool(self._finite)
+
+    def reset(self) -> None:
+        """Forget what was written (before a full prefill rewrites every layer)."""
+        self._finite = None

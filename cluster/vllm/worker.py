@@ -56,13 +56,12 @@ class _LoadRun:
     spec: LoadSpec
     record: dict[str, Any]
     steps: Any                  # BlendEngine.blend_steps generator
-    on_layer: Any
+    #: the blend's per-layer callback: writes the claimed rows into vLLM's cache and keeps
+    #: whether they were finite (checked once, when the blend ends; non-finite: full prefill)
+    on_layer: paged.ClaimedLayerWrites
     start_s: float
     num_engine_steps: int = 0   # engine steps it ran in
     busy_steps: int = 0         # of those, steps that also ran other requests' forward
-    #: [a bool tensor on the model's device]: every claimed row of every layer written so far is
-    #: finite (checked once, when the blend ends; non-finite: recomputed by full prefill)
-    finite: list = field(default_factory=list)
     #: keys of the plan's hits the worker's gpu tier held when the load began (no transfer)
     gpu_held: set = field(default_factory=set)
 
@@ -190,21 +189,11 @@ class KVBlendWorker:
         here and then returns None."""
         start_s = time.perf_counter()
         start, end = spec.load_start, spec.load_end
-        finite: list[torch.Tensor] = []  # a device flag, and-ed per layer: no host sync per layer
-
-        def on_layer(layer_idx: int, kv: torch.Tensor) -> None:  # kv [2, T, H, D]
-            if kv.shape[1] < end:
-                raise RuntimeError(f"engine produced {kv.shape[1]} rows, {end} claimed")
-            ok = torch.isfinite(kv[:, start:end]).all()
-            if finite:
-                finite[0].logical_and_(ok)
-            else:
-                finite.append(ok.clone())
-            self._write_layer(layers, layer_idx, kv[:, start:end], spec.slot_mapping)
-
+        on_layer = paged.ClaimedLayerWrites(
+            start, end, spec.slot_mapping, lambda i, kv, slots: self._write_layer(layers, i, kv, slots))
         record: dict[str, Any] = {"request_id": spec.request_id, "load_start": start, "load_end": end,
                                   "load_async": spec.load_async}
-        run = _LoadRun(spec, record, None, on_layer, start_s, finite=finite)
+        run = _LoadRun(spec, record, None, on_layer, start_s)
         try:
             if spec.plan is None:
                 self._load_prefix(spec, layers)
@@ -232,7 +221,7 @@ class KVBlendWorker:
                     try:
                         next(run.steps)
                     except StopIteration as stop:
-                        if run.finite and not bool(run.finite[0]):  # the blend's one host sync
+                        if not run.on_layer.all_finite():  # the blend's one host sync
                             raise RuntimeError("non-finite KV in a claimed layer") from None
                         self._blend_done(run, stop.value)
                         break
@@ -300,11 +289,11 @@ class KVBlendWorker:
         self._counters.bump(fallbacks=1)
         record.update(fallback=True, error=f"{type(e).__name__}: {e}")
         try:
-            run.finite.clear()  # the prefill's own layers, checked once at its end
+            run.on_layer.reset()  # the prefill's own layers, checked once at its end
             with torch.inference_mode():
                 self._engine_for_worker().prefill(list(spec.token_ids[:spec.load_end]), want_logits=False,
                                                   on_layer=run.on_layer)
-            if run.finite and not bool(run.finite[0]):
+            if not run.on_layer.all_finite():
                 raise RuntimeError("non-finite KV from full prefill")
             record["recovered_by"] = "full_prefill"
         except Exception as e2:  # noqa: BLE001

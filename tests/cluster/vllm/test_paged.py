@@ -86,3 +86,34 @@ def test_detect_layout():
     assert paged.detect_layout(make_cache("packed"), False) == "packed"
     assert paged.detect_layout(make_cache("flash_attn"), False) == "flash_attn"
     assert paged.detect_layout(make_cache("flashinfer"), False) == "flashinfer"
+
+
+def test_claimed_layer_writes_put_only_the_claimed_rows_at_their_slots():
+    caches = [make_cache("flash_attn") for _ in range(2)]
+    slots = torch.tensor([9, 10, 11, 3, 4])  # rows 2..6 of a 7-row prompt
+    writes = paged.ClaimedLayerWrites(2, 7, slots, lambda i, kv, s: paged.scatter_kv(caches[i], "flash_attn", kv, s))
+    layers = [torch.randn(2, 8, H, D) for _ in range(2)]  # the engine may hand more rows than claimed
+    for i, kv in enumerate(layers):
+        writes(i, kv)
+    for cache, kv in zip(caches, layers, strict=True):
+        assert torch.equal(paged.gather_kv(cache, "flash_attn", slots), kv[:, 2:7])
+        assert int((cache != 0).sum()) == kv[:, 2:7].numel()  # nothing outside the claimed rows' slots
+    assert writes.all_finite()
+
+
+def test_claimed_layer_writes_keep_a_non_finite_row_until_reset():
+    writes = paged.ClaimedLayerWrites(1, 3, torch.tensor([0, 1]), lambda *a: None)
+    outside = torch.zeros(2, 4, H, D)
+    outside[0, 3] = float("nan")  # past the claimed rows: not the request's
+    writes(0, outside)
+    assert writes.all_finite()
+    bad = torch.zeros(2, 4, H, D)
+    bad[1, 2, 0, 0] = float("inf")
+    writes(1, bad)
+    writes(2, torch.zeros(2, 4, H, D))  # a later finite layer does not clear it
+    assert not writes.all_finite()
+    writes.reset()  # a full prefill rewrites every layer
+    writes(0, torch.zeros(2, 3, H, D))
+    assert writes.all_finite()
+    with pytest.raises(RuntimeError, match="2 rows, 3 claimed"):
+        writes(1, torch.zeros(2, 2, H, D))

@@ -14,6 +14,7 @@ import torch
 from cluster.vllm.events import EventLog, WarnOnce, read_events
 from cluster.vllm.metadata import LoadSpec
 from cluster.vllm.metrics import Counters
+from cluster.vllm.paged import ClaimedLayerWrites
 from cluster.vllm.worker import KVBlendWorker, _LoadRun
 
 pytestmark = pytest.mark.unit
@@ -32,7 +33,7 @@ def _steps(layers: int):
 
 def _run(rid: str, layers: int) -> _LoadRun:
     spec = LoadSpec(rid, 0, 4, torch.arange(4), [0], 16, load_async=True)
-    return _LoadRun(spec, {"request_id": rid}, _steps(layers), None, 0.0)
+    return _LoadRun(spec, {"request_id": rid}, _steps(layers), ClaimedLayerWrites(0, 4, spec.slot_mapping, None), 0.0)
 
 
 def test_each_load_is_reported_finished_once(tmp_path):
