@@ -45,9 +45,11 @@ REFERENCE_QUERY_BLOCK = 1024
 #: Position given to padded keys: never visible to any query.
 _NEVER = NEVER
 #: Rows :func:`prepare_flex` compiles for every key bucket besides as many rows as keys: the
-#: query probe's usual bucket (its ~65 rows: prefix, separators, query), which would otherwise
-#: pad up to the key count (256 MB of queries a layer at 32K keys)
-PROBE_ROWS = (128,)
+#: query probe's buckets (its ~65 rows: prefix, separators, query; 129-256 with a longer system
+#: prompt or query), which would otherwise pad up to the key count (256 MB of queries a layer
+#: at 32K keys). The probe's CUDA graphs capture the same row buckets
+#: (:data:`blend.probe_graphs.ROW_BUCKETS`).
+PROBE_ROWS = (128, 256)
 #: Position of a whole tile of padded query rows in :func:`selected_row_attention`: before
 #: every key, so the block mask gives the tile no key block (its program loads the tile's
 #: queries and writes zeros, nothing else). At position 0 each such tile read one key block:

@@ -28,6 +28,7 @@ from blend import attention as _attention
 from blend.flex_rows import (
     FLEX_BLOCK,
     PAD_TILE_POSITION,
+    PROBE_ROWS,
     RowMask,
     build_block_mask,
     pad_rows,
@@ -42,7 +43,7 @@ from blend.kernels.paged import gather_paged, scatter_paged
 from blend.kernels.rope import rerotate_k_
 from blend.selection import num_to_select, top_n_indices
 
-__all__ = ["FLEX_BLOCK", "PAD_TILE_POSITION", "RowMask", "build_block_mask", "causal_attention", "deviation_of",
+__all__ = ["FLEX_BLOCK", "PAD_TILE_POSITION", "PROBE_ROWS", "RowMask", "build_block_mask", "causal_attention", "deviation_of",
            "deviation_scores", "gather_paged", "pad_rows", "prepare_flex", "prepare_rows", "rerotate_k_",
            "scatter_paged", "select_top_ratio", "selected_row_attention", "selected_row_attention_reference",
            "shape_bucket"]

@@ -45,8 +45,9 @@ from blend.query_selection import query_attention_mass
 log = logging.getLogger(__name__)
 
 #: Row buckets :meth:`ProbeGraphs.prepare_all` captures (a probe computes the prefix, one
-#: separator per chunk and the query: ~65 rows at 8K tokens of 512-token chunks).
-ROW_BUCKETS = (128, 256)
+#: separator per chunk and the query: ~65 rows at 8K tokens of 512-token chunks): the rows
+#: FlexAttention compiles for the probe at start-up (:func:`blend.flex_rows.prepare_flex`).
+ROW_BUCKETS = ops.PROBE_ROWS
 
 
 @dataclass

@@ -75,10 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hf: blend.adapters.hf.HFModelAdapter")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the fused adapter's per-layer functions (auto: on CUDA)")
-    p.add_argument("--probe-graphs", choices=("off", "on", "both"), default="off",
-                   help="the query probe's per-layer CUDA graphs (blend.probe_graphs), prepared per length "
-                        "before timing: on: every blend; both: each cell also times the gpu and hot host "
-                        "tiers with graphs, run by run beside the runs without (default off)")
+    p.add_argument("--probe-graphs", choices=("off", "on", "both"), default=None,
+                   help="the query probe's per-layer CUDA graphs (blend.probe_graphs), every bucket up to the "
+                        "longest prompt captured before timing as a vLLM worker captures them: on: every blend; "
+                        "both: each cell also times the gpu and hot host tiers with graphs, run by run beside "
+                        "the runs without (default: on when blend.probe_graph_tokens > 0, as a worker runs)")
     p.add_argument("--tiny", action="store_true", help="a 4-layer toy model (smoke test, CPU ok)")
     p.add_argument("--device", default="", help="torch device (default cuda if available, else cpu)")
     p.add_argument("--disk-dir", default="", help="disk tier directory (default: a temp dir)")
@@ -224,8 +225,9 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
             "--check-layer", str(args.check_layer), "--selection", ",".join(args.selection),
             "--repeats", str(args.repeats),
             "--attention", args.attention, "--model-impl", args.model_impl, "--compile", args.compile,
-            "--page-cache", args.page_cache, "--probe-graphs", args.probe_graphs]
+            "--page-cache", args.page_cache]
     for flag, value in (("--engine-lengths", args.engine_lengths), ("--profile-length", args.profile_length),
+                        ("--probe-graphs", args.probe_graphs),
                         ("--device", args.device), ("--disk-dir", args.disk_dir)):
         if value:
             argv += [flag, str(value)]

@@ -19,12 +19,15 @@ import tempfile
 import time
 
 from cluster.bench import gpu_ceilings as ceilings
+from cluster.bench import gpu_graphs
 
 log = logging.getLogger(__name__)
 
 MODEL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=65536,
                 rope_theta=500000.0)
+#: tokens per block of the paged cache the worker's per-layer callback writes (vLLM's default)
+PAGE_BLOCK_TOKENS = 16
 MODEL_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rope_theta=10000.0)
@@ -109,11 +112,17 @@ class GpuBench:
         self.flex_warm = ops.prepare_flex(warm, self.spec.num_heads, self.spec.num_kv_heads,
                                           self.spec.head_dim, self.adapter.dtype, device, scale)
         self.model_desc["flex_warm"] = self.flex_warm
-        self.graphs = None  # the query probe's CUDA graphs, one set for the model (--probe-graphs)
-        if getattr(args, "probe_graphs", "off") != "off":
-            from blend.probe_graphs import ProbeGraphs
-
-            self.graphs = ProbeGraphs(self.adapter, scale, max(lengths) + 64)
+        # the query probe's CUDA graphs (--probe-graphs), every bucket up to the longest prompt
+        # captured now by the vLLM worker's own start-up function
+        if getattr(args, "probe_graphs", None) is None:  # as a vLLM worker: on CUDA when configured
+            args.probe_graphs = "on" if device.type == "cuda" and BlendConfig().probe_graph_tokens > 0 else "off"
+        self._paged = None  # [L] paged KV caches the worker's per-layer callback writes (_layer_writes)
+        self.model_desc["layer_callback"] = ("cluster.vllm.paged.ClaimedLayerWrites over blend.kernels.paged."
+                                             "scatter_paged (flash_attn layout), in every blend and full prefill")
+        self.graphs, self.model_desc["probe_graphs"] = None, None
+        if args.probe_graphs != "off":
+            tokens = min(BlendConfig().probe_graph_tokens or 2**31, max(lengths) + 512)
+            self.graphs, self.model_desc["probe_graphs"] = gpu_graphs.build_graphs(self, scale, tokens)
 
     # ------------------------------------------------------------------ setup
     def _set_attention(self, which: str) -> None:
@@ -208,6 +217,30 @@ class GpuBench:
             times.append(time.perf_counter() - t0)
         return {"median": statistics.median(times), "min": min(times), "max": max(times)}, last
 
+    def _layer_writes(self, tokens: int):
+        """The vLLM worker's per-layer callback (:class:`cluster.vllm.paged.ClaimedLayerWrites`:
+        rows ``0..tokens-1`` checked finite on the device and written into a paged cache by
+        slot) over a paged cache of this bench's own: FlashAttention's ``[2, B, 16, H, D]``
+        layout per layer, slots ``0..tokens-1``, written by
+        :func:`blend.kernels.paged.scatter_paged` (a vLLM worker writes through its attention
+        backend's cache update instead: vLLM does not install on the GPU machine)."""
+        torch = self.torch
+        from blend.kernels.paged import scatter_paged
+        from cluster.vllm.paged import ClaimedLayerWrites
+
+        blocks, spec = -(-tokens // PAGE_BLOCK_TOKENS), self.spec
+        if self._paged is None or self._paged[0].shape[1] < blocks:
+            self._paged = None  # the old caches go before the new ones are allocated
+            self._paged = [torch.zeros((2, blocks, PAGE_BLOCK_TOKENS, spec.num_kv_heads, spec.head_dim),
+                                       dtype=self.adapter.dtype, device=self.device)
+                           for _ in range(spec.num_layers)]
+        caches = self._paged
+
+        def write(layer_idx: int, kv, slots) -> None:
+            scatter_paged(caches[layer_idx], "flash_attn", kv, slots, check_range=False)
+
+        return ClaimedLayerWrites(0, tokens, torch.arange(tokens, device=self.device), write)
+
     def _blend_fn(self, plan, tier: str, num_chunks: int, graphs: bool | None = None):
         """One request as the worker serves it: lookup through the source, then the blend
         (every cached layer asked for at its start), to first-token logits; ``graphs``: with
@@ -218,6 +251,7 @@ class GpuBench:
         engine = self.BlendEngine(self.adapter, source, probe_graphs=self.graphs if graphs else None)
         keys = self.keys[:num_chunks]
         disk_files = [self.disk_tier._file(k) for k in keys]  # noqa: SLF001 - bench only
+        writes = self._layer_writes(plan.blend_end)
 
         def fn():
             if tier == "disk":
@@ -226,9 +260,12 @@ class GpuBench:
             metas = source.lookup(keys)
             if any(m is None for m in metas):
                 raise RuntimeError(f"{tier} tier lost chunks")
-            result = engine.blend(plan, want_logits=True)
+            writes.reset()
+            result = engine.blend(plan, want_logits=True, on_layer=writes)
             if result.counters.full_prefill_reason is not None:
                 raise RuntimeError(f"blend fell back to prefill: {result.counters.full_prefill_reason}")
+            if not writes.all_finite():  # the worker's one host sync of a blend
+                raise RuntimeError("non-finite KV in a claimed layer")
             return result
         return fn
 
@@ -239,11 +276,19 @@ class GpuBench:
         plan, num_chunks = self._plan(length, self.ratios[0])
         ids = list(plan.token_ids)
         prefill_engine = self.BlendEngine(self.adapter)
-        full, _ = self._timed(lambda: prefill_engine.prefill(ids, want_logits=True), repeats)
+        full_writes = self._layer_writes(len(ids))  # vLLM's prefill writes its paged cache too
+
+        def full_prefill():
+            full_writes.reset()
+            out = prefill_engine.prefill(ids, want_logits=True, on_layer=full_writes)
+            full_writes.all_finite()
+            return out
+
+        full, _ = self._timed(full_prefill, repeats)
         ids_t = torch.tensor([ids], device=self.device)
         with torch.no_grad():
             full_hf, _ = self._timed(lambda: self.hf_model(ids_t, use_cache=False, logits_to_keep=1), repeats)
-        prepared = self._prepare_graphs(plan)
+        prepared = gpu_graphs.prepare_graphs(self, plan)
         row = {"tokens": len(ids), "num_chunks": num_chunks, "repeats": repeats, "probe_graphs": prepared,
                "full_s": full["median"], "full_min_s": full["min"], "full_max_s": full["max"],
                "full_hf_s": full_hf["median"], "disk_raw_gbps": self._disk_raw_gbps(num_chunks),
@@ -279,7 +324,7 @@ class GpuBench:
             cell["selections"] = {sel: self._measure_selection(length, ratio, sel, num_chunks, full["median"])
                                   for sel in self.selections[1:]}
             if getattr(self.args, "probe_graphs", "off") == "both":
-                cell["with_probe_graphs"] = self._measure_graphs(plan, num_chunks, full["median"])
+                cell["with_probe_graphs"] = gpu_graphs.measure_graphs(self, plan, num_chunks, full["median"])
             cell["pinned_chunks"] = pinned.stats()["num_chunks"] if pinned is not None else 0
             disk = self.sources["disk"].reader  # a staging source on CUDA, the client elsewhere
             cell["disk_read_counters"] = (disk.read_counters.snapshot() if hasattr(disk, "read_counters")
@@ -312,48 +357,6 @@ class GpuBench:
                     self._set_attention(self.args.attention)
             row["by_ratio"][str(ratio)] = cell
         return row
-
-    def _prepare_graphs(self, plan) -> dict | None:
-        """Capture the probe's graphs for this prompt's bucket (``--probe-graphs``), before any
-        timing: seconds, device memory it took, the bucket (None without graphs)."""
-        if self.graphs is None:
-            return None
-        torch = self.torch
-        before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        t0 = time.perf_counter()
-        ok = self.graphs.prepare_plan(plan)
-        seconds = time.perf_counter() - t0
-        after = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        return {"ready": ok, "prepare_s": seconds, "reserved_bytes_added": after - before,
-                **self.graphs.stats()}
-
-    def _measure_graphs(self, plan, num_chunks: int, full_s: float) -> dict:
-        """The gpu and hot host tiers with and without the probe's graphs, run by run
-        alternately (one warm-up each), medians of ``--repeats`` with min and max."""
-        out: dict = {}
-        for tier in ("gpu", "host"):
-            fns = {"off": self._blend_fn(plan, tier, num_chunks, graphs=False),
-                   "on": self._blend_fn(plan, tier, num_chunks, graphs=True)}
-            times: dict = {"off": [], "on": []}
-            probe: dict = {}
-            for fn in fns.values():
-                fn()
-            for _ in range(self.args.repeats):
-                for name, fn in fns.items():
-                    self._sync()
-                    t0 = time.perf_counter()
-                    res = fn()
-                    self._sync()
-                    times[name].append(time.perf_counter() - t0)
-                    probe[name] = res.counters.probe_s
-            for name, ts in times.items():
-                med = statistics.median(ts)
-                out[f"blend_{tier}_{name}_s"] = med
-                out[f"blend_{tier}_{name}_min_s"], out[f"blend_{tier}_{name}_max_s"] = min(ts), max(ts)
-                out[f"ratio_{tier}_{name}"] = med / full_s
-                out[f"probe_{tier}_{name}_s"] = probe[name]
-        out["graphs"] = self.graphs.stats() if self.graphs is not None else None
-        return out
 
     def _measure_selection(self, length: int, ratio: float, selection: str, num_chunks: int,
                            full_s: float) -> dict:

@@ -30,7 +30,7 @@ from cluster.vllm.cost_samples import CostSamples, calibration_samples
 
 log = logging.getLogger("kvblend.connector")
 
-__all__ = ["build_worker_engine"]
+__all__ = ["build_probe_graphs", "build_worker_engine"]
 
 
 def build_worker_engine(config, client, model_id: str):
@@ -65,7 +65,8 @@ def build_worker_engine(config, client, model_id: str):
         engine = BlendEngine(adapter, source, load_timeout_s=config.blend.load_timeout_s)
         if on_cuda:
             _prepare_flex(config, adapter, engine.scale)
-            engine.probe_graphs = _probe_graphs(config, adapter, engine.scale)
+            graph_tokens = min(config.blend.probe_graph_tokens, adapter.spec.max_position or 2**31)
+            engine.probe_graphs = build_probe_graphs(config.blend, adapter, engine.scale, graph_tokens)
     except BaseException:  # e.g. probe layers the model lacks: the source's threads and pinned memory go
         source.close()
         raise
@@ -95,18 +96,22 @@ def _prepare_flex(config, adapter, scale: float) -> None:
              done["max_keys"], done["seconds"])
 
 
-def _probe_graphs(config, adapter, scale: float):
-    """The query probe's CUDA graphs (``blend.probe_graph_tokens`` > 0 and a selection that
-    probes), every bucket captured now; None when off."""
+def build_probe_graphs(blend_config, adapter, scale: float, max_tokens: int):
+    """The query probe's CUDA graphs for prompts up to ``max_tokens``, every bucket captured
+    now (:meth:`blend.probe_graphs.ProbeGraphs.prepare_all`); None when ``max_tokens`` <= 0
+    or ``blend_config.selection`` does not probe.
+
+    Who calls it: :func:`build_worker_engine` at start-up (``blend.probe_graph_tokens``, at
+    most the model's positions), and ``kvblend bench gpu`` before timing (up to its longest
+    prompt), so that the benchmark replays the buckets a worker captures."""
     from blend.engine_select import QUERY_SELECTIONS
 
-    tokens = config.blend.probe_graph_tokens
-    if not (tokens > 0 and config.blend.selection in QUERY_SELECTIONS):
+    if not (max_tokens > 0 and blend_config.selection in QUERY_SELECTIONS):
         return None
     from blend.probe_graphs import ProbeGraphs
     from blend.query_selection import probe_layers_for
 
-    graphs = ProbeGraphs(adapter, scale, tokens)
-    seconds = graphs.prepare_all(probe_layers_for(config.blend.probe_layers, adapter.spec.num_layers))
+    graphs = ProbeGraphs(adapter, scale, max_tokens)
+    seconds = graphs.prepare_all(probe_layers_for(blend_config.probe_layers, adapter.spec.num_layers))
     log.info("captured the query probe's CUDA graphs in %.1f s: %s", seconds, graphs.stats())
     return graphs

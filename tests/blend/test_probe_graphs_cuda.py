@@ -56,15 +56,21 @@ def _same(got, want):
         torch.testing.assert_close(a, b, **F32_TOL)
 
 
-def test_replayed_probe_layers_give_the_eager_blend(adapter, monkeypatch):
+def _engines(adapter, monkeypatch, max_tokens: int, seed: int = 1):
+    """Six 160-token chunks in a host tier read through the staged source; the eager engine,
+    one with the probe's graphs (none prepared yet), the graphs and the source."""
     monkeypatch.setattr(engine_module, "causal_attention", ops.causal_attention)
-    chunks = random_chunks(6, 160, vocab=256, low=4)
+    chunks = random_chunks(6, 160, vocab=256, low=4, seed=seed)
     host = HostTier(1 << 28)
     fill_tiers(BlendEngine(adapter), chunks, [host])
     src = StagedSource(host, CUDA)
     eager = BlendEngine(adapter, src)
-    graphs = ProbeGraphs(adapter, eager.scale, max_tokens=2048)
-    fast = BlendEngine(adapter, src, probe_graphs=graphs)
+    graphs = ProbeGraphs(adapter, eager.scale, max_tokens=max_tokens)
+    return chunks, eager, BlendEngine(adapter, src, probe_graphs=graphs), graphs, src
+
+
+def test_replayed_probe_layers_give_the_eager_blend(adapter, monkeypatch):
+    chunks, eager, fast, graphs, src = _engines(adapter, monkeypatch, max_tokens=2048)
     plans = [_plan(chunks[:4]), _plan(chunks[1:5], query=(9, 10, 11)), _plan(chunks, ratio=0.3), _plan(chunks, 1.0)]
     layers = probe_layers_for((), adapter.spec.num_layers)
     for p in plans[:2]:  # two prompts of one bucket (4 chunks), then a longer one (6)
@@ -80,4 +86,35 @@ def test_replayed_probe_layers_give_the_eager_blend(adapter, monkeypatch):
     src.lookup([s.key for s in plans[3].hit_segments])
     got, full = fast.blend(plans[3]), BlendEngine(adapter).prefill(list(plans[3].token_ids))
     torch.testing.assert_close(got.logits, full.logits, **F32_TOL)  # ratio 1.0: full prefill
+    src.close()
+
+
+def _miss(plan, index: int):
+    """``plan`` with its ``index``-th chunk a miss (computed with the new tokens)."""
+    chunks = [i for i, s in enumerate(plan.segments) if s.kind == "chunk"]
+    segments = list(plan.segments)
+    s = segments[chunks[index]]
+    segments[chunks[index]] = dataclasses.replace(s, hit=False, stored_positions=())
+    return dataclasses.replace(plan, segments=tuple(segments))
+
+
+def test_buckets_the_worker_prepares_serve_prompts_with_missed_chunks(adapter, monkeypatch):
+    """``prepare_all`` (the vLLM worker's start-up capture) then prompts whose missed chunks
+    leave the probe fewer keys than the prompt has: each equals the eager blend, and ratio 1.0
+    with a miss is still full prefill."""
+    chunks, eager, fast, graphs, src = _engines(adapter, monkeypatch, max_tokens=1200, seed=5)
+    layers = probe_layers_for((), adapter.spec.num_layers)
+    assert graphs.prepare_all(layers) > 0 and graphs.broken is None, graphs.broken
+    assert [128, 1536] in graphs.stats()["buckets"] and [256, 128] not in graphs.stats()["buckets"]
+    plans = [_miss(_plan(chunks), 1), _miss(_miss(_plan(chunks[:5], ratio=0.3), 0), 3), _miss(_plan(chunks), 5)]
+    runs = 0
+    for plan in plans:
+        src.lookup([s.key for s in plan.hit_segments])
+        _same(fast.blend(plan), eager.blend(plan))
+        runs += layers[-1] + 1
+        assert graphs.layer_runs == runs  # the bucket ran, not the eager probe
+    full_plan = _miss(_plan(chunks, 1.0), 2)
+    src.lookup([s.key for s in full_plan.hit_segments])
+    got, full = fast.blend(full_plan), BlendEngine(adapter).prefill(list(full_plan.token_ids))
+    torch.testing.assert_close(got.logits, full.logits, **F32_TOL)
     src.close()

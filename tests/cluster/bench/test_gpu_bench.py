@@ -104,3 +104,59 @@ def test_bench_gpu_placement_tiny_times_every_way_and_placement(tmp_path):
     assert set(out["settling"]) == {"tokens", "fast", "slowed", "recovered"}
     assert "slow" in out["estimates"]["tiers"] and out["estimates"]["blend_s_per_work"] > 0
     assert "agent" in out["left_out"]
+
+
+def test_a_timed_blend_runs_the_worker_s_per_layer_writes(tmp_path):
+    """Every blend the bench times calls the vLLM worker's per-layer callback
+    (:class:`cluster.vllm.paged.ClaimedLayerWrites`): after one, the bench's paged cache holds
+    that blend's final KV of every layer, bit for bit, at slots ``0..T-1``."""
+    import argparse
+
+    import torch
+
+    from blend.config import parse_selections
+    from cluster.bench.gpu import add_arguments
+    from cluster.bench.gpu_harness import GpuBench
+    from cluster.vllm.paged import gather_kv
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--json", str(tmp_path / "x.json"), "--tiny", "--device", "cpu", "--lengths", "300",
+                         "--chunk-tokens", "64", "--repeats", "1", "--disk-dir", str(tmp_path / "disk")])
+    args.ratios, args.selection = [0.15], parse_selections(args.selection)
+    bench = GpuBench(args, torch.device("cpu"), [300])
+    try:
+        assert "ClaimedLayerWrites" in bench.model_desc["layer_callback"] and args.probe_graphs == "off"
+        plan, num_chunks = bench._plan(300, 0.15)
+        result = bench._blend_fn(plan, "host", num_chunks)()
+        slots = torch.arange(plan.blend_end)
+        assert len(bench._paged) == len(result.kv) == bench.spec.num_layers
+        for cache, kv in zip(bench._paged, result.kv, strict=True):
+            assert torch.equal(gather_kv(cache, "flash_attn", slots), kv[:, :plan.blend_end])
+    finally:
+        bench.close()
+
+
+def test_probe_graphs_both_builds_the_worker_s_buckets_and_times_each_way(tmp_path):
+    """``--probe-graphs both``: the buckets come from the worker's start-up function (every
+    bucket up to the longest prompt, not one per prompt), and each cell times the gpu and hot
+    host tiers with and without them (on the CPU the buckets run their steps uncaptured)."""
+    from cluster.cli.main import main
+
+    path = tmp_path / "gpu.json"
+    rc = main(["bench", "gpu", "--json", str(path), "--tiny", "--device", "cpu", "--lengths", "300",
+               "--chunk-tokens", "64", "--repeats", "1", "--ratios", "0.15", "--selection", "query_attention",
+               "--probe-graphs", "both", "--disk-dir", str(tmp_path / "disk")])
+    assert rc == 0
+    out = json.loads(path.read_text())
+    built = out["model"]["probe_graphs"]
+    assert built["max_tokens"] == 300 + 512 and built["broken"] is None
+    assert built["num_buckets"] == len(built["buckets"]) >= 10  # 128 and 256 rows over every key bucket
+    row = out["results"]["300"]
+    assert row["probe_graphs"]["ready"] and row["probe_graphs"]["buckets"] == built["buckets"]  # nothing new
+    both = row["by_ratio"]["0.15"]["with_probe_graphs"]
+    for tier in ("gpu", "host"):
+        for way in ("off", "on"):
+            assert both[f"blend_{tier}_{way}_min_s"] <= both[f"blend_{tier}_{way}_s"] <= both[f"blend_{tier}_{way}_max_s"]
+            assert both[f"probe_{tier}_{way}_s"] > 0
+    assert both["graphs"]["layer_runs"] > 0  # the "on" blends ran the buckets
