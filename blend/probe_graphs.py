@@ -100,6 +100,7 @@ class ProbeGraphs:
         self._buckets: dict[tuple, _Bucket] = {}
         self._staging: torch.Tensor | None = None  # [2, max_keys + 1, H, D]
         self._pool = None
+        self._side = None  # the CUDA stream every bucket's warm-up runs on (created at the first capture)
 
     # ------------------------------------------------------------------ buckets
     @staticmethod
@@ -208,7 +209,9 @@ class ProbeGraphs:
 
     def _capture(self, b: _Bucket, last: int) -> None:
         graphs = []
-        side = torch.cuda.Stream(self.model.device)
+        if self._side is None:  # one warm-up stream for every bucket: cuBLAS keeps a workspace per stream
+            self._side = torch.cuda.Stream(self.model.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.no_grad(), torch.cuda.stream(side):
             for layer_idx in range(last + 1):
