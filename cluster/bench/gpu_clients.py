@@ -128,7 +128,8 @@ def run_clients(args, lengths: list[int]) -> dict:
                "churn_pool_bytes": total, "agent_arena_gib": cfg.cluster.agent_arena_gib,
                "load_timeout_s": cfg.blend.load_timeout_s, "pinned_size_gib": cfg.tiers.pinned_size_gib,
                "agent_stats": clients["agent"].stats() if "agent" in clients else None,
-               "left_out": "vLLM (scheduler, connector metadata, paged KV writes), the scheduler "
+               "left_out": "vLLM (scheduler, connector metadata; its attention backend's cache update: the worker's "
+                           "per-layer callback writes a paged cache of the bench's own), the scheduler "
                            "process's lookup, a network (one Ray node)", "rows": rows}
         return out
     finally:
@@ -204,7 +205,7 @@ def _length_rows(bench, cfg, clients: dict, pool: list, length: int, pinned: int
     plan, _ = bench._plan(length, bench.ratios[0])  # noqa: SLF001 - the harness's own plan
     ids = list(plan.token_ids)
     prefill = bench.BlendEngine(bench.adapter)
-    full, _ = bench._timed(lambda: prefill.prefill(ids, want_logits=True), bench.args.repeats)  # noqa: SLF001
+    full, _ = bench._timed(lambda: bench.run_prefill(prefill, ids), bench.args.repeats)  # noqa: SLF001
     rows = []
     for name, client in clients.items():
         rows.append(_cold_row(bench, cfg, name, client, keys, plan, full, build))
@@ -221,7 +222,7 @@ def _cold_row(bench, cfg, name: str, client, keys: list, plan, full: dict, build
 
     L = bench.spec.num_layers
     cold = build(client, bench.device, L, pinned_bytes=0)
-    engine = bench.BlendEngine(bench.adapter, cold, load_timeout_s=cfg.blend.load_timeout_s)
+    engine = bench.worker_engine(cold, load_timeout_s=cfg.blend.load_timeout_s)
     row = {"tokens": len(plan.token_ids), "client": name, "state": "cold", "num_chunks": len(keys),
            "full_s": full["median"], "full_min_s": full["min"], "full_max_s": full["max"]}
     missed: list[int] = []
@@ -238,7 +239,7 @@ def _cold_row(bench, cfg, name: str, client, keys: list, plan, full: dict, build
     def blend():
         if any(m is None for m in cold.lookup(keys)):
             fell_back.append("lookup missed")
-        res = engine.blend(plan, want_logits=True)
+        res = bench.run_blend(engine, plan)
         unfit.append(res.counters.unfit_segments)
         if res.counters.full_prefill_reason is not None:
             fell_back.append(res.counters.full_prefill_reason)
@@ -266,7 +267,7 @@ def _churn_row(bench, cfg, name: str, client, pool: list, length: int, pinned: i
     L = bench.spec.num_layers
     num_chunks = _num_chunks(length, bench.args.chunk_tokens)
     source = build(client, bench.device, L, pinned_bytes=pinned)
-    engine = bench.BlendEngine(bench.adapter, source, load_timeout_s=cfg.blend.load_timeout_s)
+    engine = bench.worker_engine(source, load_timeout_s=cfg.blend.load_timeout_s)
     rng = random.Random(length)
     transfer, blend, missed, fell_back = [], [], 0, 0
     try:
@@ -283,7 +284,7 @@ def _churn_row(bench, cfg, name: str, client, pool: list, length: int, pinned: i
                 plan, _ = bench._plan(length, bench.ratios[0],  # noqa: SLF001
                                       chunks=(keys, [i for _k, i, _kv in chosen]))
                 source.lookup(keys)
-                res = engine.blend(plan, want_logits=True)
+                res = bench.run_blend(engine, plan)
                 _sync(torch, bench.device)
                 blend.append(time.perf_counter() - t0)
                 fell_back += res.counters.full_prefill_reason is not None

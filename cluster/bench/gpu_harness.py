@@ -241,17 +241,44 @@ class GpuBench:
 
         return ClaimedLayerWrites(0, tokens, torch.arange(tokens, device=self.device), write)
 
+    def worker_engine(self, source=None, *, graphs: bool | None = None, **kwargs):
+        """A :class:`blend.engine.BlendEngine` over ``source`` as the vLLM worker builds one:
+        with the query probe's CUDA graphs when this run has them (``graphs`` False: without;
+        None: as ``--probe-graphs``), ``kwargs`` (``load_timeout_s``) passed on. Every GPU
+        bench (tiers, ``--placement``, ``--client``) builds its engines here."""
+        if graphs is None:
+            graphs = getattr(self.args, "probe_graphs", "off") == "on"
+        return self.BlendEngine(self.adapter, source, probe_graphs=self.graphs if graphs else None, **kwargs)
+
+    def run_blend(self, engine, plan):
+        """``engine.blend(plan)`` to first-token logits as the worker runs it: every layer's
+        claimed rows through the worker's per-layer callback (:meth:`_layer_writes`), then its
+        one host read of whether they were finite.
+
+        Raises:
+            RuntimeError: a non-finite row (the worker would recompute the request)."""
+        writes = self._layer_writes(plan.blend_end)
+        result = engine.blend(plan, want_logits=True, on_layer=writes)
+        if not writes.all_finite():
+            raise RuntimeError("non-finite KV in a claimed layer")
+        return result
+
+    def run_prefill(self, engine, ids):
+        """Full prefill of ``ids`` to first-token logits, each layer written into the paged
+        cache as vLLM's own prefill writes its cache (:meth:`_layer_writes`)."""
+        writes = self._layer_writes(len(ids))
+        result = engine.prefill(list(ids), want_logits=True, on_layer=writes)
+        writes.all_finite()  # vLLM reads nothing back; the same device work and one sync
+        return result
+
     def _blend_fn(self, plan, tier: str, num_chunks: int, graphs: bool | None = None):
         """One request as the worker serves it: lookup through the source, then the blend
         (every cached layer asked for at its start), to first-token logits; ``graphs``: with
         the probe's CUDA graphs (default: ``--probe-graphs on``)."""
         source = self.sources[tier]
-        if graphs is None:
-            graphs = getattr(self.args, "probe_graphs", "off") == "on"
-        engine = self.BlendEngine(self.adapter, source, probe_graphs=self.graphs if graphs else None)
+        engine = self.worker_engine(source, graphs=graphs)
         keys = self.keys[:num_chunks]
         disk_files = [self.disk_tier._file(k) for k in keys]  # noqa: SLF001 - bench only
-        writes = self._layer_writes(plan.blend_end)
 
         def fn():
             if tier == "disk":
@@ -260,12 +287,9 @@ class GpuBench:
             metas = source.lookup(keys)
             if any(m is None for m in metas):
                 raise RuntimeError(f"{tier} tier lost chunks")
-            writes.reset()
-            result = engine.blend(plan, want_logits=True, on_layer=writes)
+            result = self.run_blend(engine, plan)
             if result.counters.full_prefill_reason is not None:
                 raise RuntimeError(f"blend fell back to prefill: {result.counters.full_prefill_reason}")
-            if not writes.all_finite():  # the worker's one host sync of a blend
-                raise RuntimeError("non-finite KV in a claimed layer")
             return result
         return fn
 
@@ -276,15 +300,7 @@ class GpuBench:
         plan, num_chunks = self._plan(length, self.ratios[0])
         ids = list(plan.token_ids)
         prefill_engine = self.BlendEngine(self.adapter)
-        full_writes = self._layer_writes(len(ids))  # vLLM's prefill writes its paged cache too
-
-        def full_prefill():
-            full_writes.reset()
-            out = prefill_engine.prefill(ids, want_logits=True, on_layer=full_writes)
-            full_writes.all_finite()
-            return out
-
-        full, _ = self._timed(full_prefill, repeats)
+        full, _ = self._timed(lambda: self.run_prefill(prefill_engine, ids), repeats)
         ids_t = torch.tensor([ids], device=self.device)
         with torch.no_grad():
             full_hf, _ = self._timed(lambda: self.hf_model(ids_t, use_cache=False, logits_to_keep=1), repeats)

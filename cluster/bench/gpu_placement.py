@@ -159,7 +159,8 @@ def run_placements(args, lengths: list[int], partial=None) -> dict:
                 "chunk_tokens": args.chunk_tokens, "ratio": bench.ratios[0], "selection": bench.selections[0],
                 "repeats": args.repeats, "warmup_runs": WARMUP_RUNS, "slow_gbps": SLOW_GBPS,
                 "page_cache": places.page_cache, "estimates": estimator.snapshot(), "settling": settle,
-                "left_out": "vLLM (scheduler, connector metadata, paged KV writes), the shard actor and the "
+                "left_out": "vLLM (scheduler, connector metadata; its attention backend's cache update: the worker's "
+                            "per-layer callback writes a paged cache of the bench's own), the shard actor and the "
                             "cache agent's hop (kvblend bench gpu --client), scheduler and worker in two processes",
                 "rows": rows}
     try:
@@ -186,12 +187,12 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys,
     from cluster.vllm.costs import plan_with_costs
 
     source = places.sources[placement]
-    engine = bench.BlendEngine(bench.adapter, source, load_timeout_s=60.0)
+    engine = bench.worker_engine(source, load_timeout_s=60.0)
     places.reset(placement, keys)
     t0 = time.perf_counter()
     did = "full"
     if way == "full":  # vLLM's own prefill: the worker measures nothing of it
-        engine.prefill(list(plan.token_ids), want_logits=True)
+        bench.run_prefill(engine, plan.token_ids)
         bench._sync()  # noqa: SLF001
         return time.perf_counter() - t0, did, None
     metas = source.lookup(keys)
@@ -207,11 +208,11 @@ def _run(bench, places, estimator, per_token: int, placement: str, plan, keys,
         if record is not None:
             predicted = [record["expected_s"], record["full_s"], record["always_load_s"]]
         if not plan.blend:  # vLLM computes the prompt
-            engine.prefill(list(plan.token_ids), want_logits=True)
+            bench.run_prefill(engine, plan.token_ids)
             bench._sync()  # noqa: SLF001
             return time.perf_counter() - t0, "full", predicted
     held = source.gpu_held([s.key for s in plan.hit_segments])  # as the worker asks, before its blend
-    res = engine.blend(plan, want_logits=True)
+    res = bench.run_blend(engine, plan)
     bench._sync()  # noqa: SLF001
     seconds = time.perf_counter() - t0
     if res.counters.full_prefill_reason is not None:

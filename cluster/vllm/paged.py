@@ -146,7 +146,8 @@ class ClaimedLayerWrites:
 
     Args:
         start, end: the claimed token rows (vLLM computed ``[0, start)`` itself).
-        slot_mapping: ``[end - start]`` int64 slots of those rows.
+        slot_mapping: ``[end - start]`` int64 slots of those rows (moved to the KV's device at
+            the first layer, once).
         write: ``write(layer_idx, kv, slot_mapping)`` with ``kv`` ``[2, end - start, H, D]``.
     """
 
@@ -161,6 +162,8 @@ class ClaimedLayerWrites:
             RuntimeError: fewer rows than claimed."""
         if kv.shape[1] < self.end:
             raise RuntimeError(f"engine produced {kv.shape[1]} rows, {self.end} claimed")
+        if self.slot_mapping.device != kv.device:  # once a request: vLLM's slots come on the host, and
+            self.slot_mapping = self.slot_mapping.to(kv.device)  # a copy per layer was a host wait per layer
         rows = kv[:, self.start:self.end]
         ok = torch.isfinite(rows).all()
         if self._finite is None:
