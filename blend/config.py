@@ -84,7 +84,7 @@ class BlendConfig:
     probe_graph_tokens: int = _f(
         16384, "on CUDA, the query probe's layers as CUDA graphs for prompts up to this many tokens: one per layer "
         "and shape bucket, captured when the worker registers its KV caches (a request never captures; a longer "
-        "prompt probes eagerly). Takes GPU memory outside vLLM's gpu_memory_utilization (at most ~1.1 GB at 16384 "
+        "prompt probes eagerly). Takes GPU memory outside vLLM's gpu_memory_utilization (up to 1,061 MiB at 16384 "
         "for a Llama-3-8B-shaped model: docs/benchmarks.md); 0 = off", (0, 262144))
     flex_warm_tokens: int = _f(
         32768, "on CUDA, FlexAttention compiled for every key bucket of prompts up to this many tokens when the "

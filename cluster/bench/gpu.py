@@ -76,10 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the fused adapter's per-layer functions (auto: on CUDA)")
     p.add_argument("--probe-graphs", choices=("off", "on", "both"), default=None,
-                   help="the query probe's per-layer CUDA graphs (blend.probe_graphs), every bucket up to the "
-                        "longest prompt captured before timing as a vLLM worker captures them: on: every blend; "
-                        "both: each cell also times the gpu and hot host tiers with graphs, run by run beside "
-                        "the runs without (default: on when blend.probe_graph_tokens > 0, as a worker runs)")
+                   help="the query probe's per-layer CUDA graphs (blend.probe_graphs), captured before timing as a "
+                        "vLLM worker captures them: every bucket up to the longest prompt or blend.probe_graph_tokens, "
+                        "whichever is less (a longer prompt probes eagerly, as in a worker); on: every blend; both: "
+                        "each cell also times the gpu and hot host tiers with graphs, run by run beside the runs "
+                        "without (default: on when on CUDA and blend.probe_graph_tokens > 0, as a worker runs)")
     p.add_argument("--tiny", action="store_true", help="a 4-layer toy model (smoke test, CPU ok)")
     p.add_argument("--device", default="", help="torch device (default cuda if available, else cpu)")
     p.add_argument("--disk-dir", default="", help="disk tier directory (default: a temp dir)")

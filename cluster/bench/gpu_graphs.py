@@ -43,10 +43,11 @@ def build_graphs(bench, scale: float, max_tokens: int):
 
 
 def prepare_graphs(bench, plan) -> dict | None:
-    """The probe's bucket for ``plan``: already captured by :func:`build_graphs` unless the
-    prompt is longer than it prepared (then captured now, before timing). Returns whether it is
-    ready, the seconds and device memory this call took, and the graphs' stats; None without
-    graphs."""
+    """The probe's bucket for ``plan``: already captured by :func:`build_graphs` unless its
+    rows fall in no row bucket there (captured now, before timing); a prompt whose keys exceed
+    the prepared length gets none (``ready`` False: its probe runs eagerly, as in a worker).
+    Returns whether it is ready, the seconds and device memory this call took, and the graphs'
+    stats; None without graphs."""
     if bench.graphs is None:
         return None
     before = _allocated(bench)
@@ -65,22 +66,28 @@ def measure_graphs(bench, plan, num_chunks: int, full_s: float) -> dict:
         fns = {"off": bench._blend_fn(plan, tier, num_chunks, graphs=False),  # noqa: SLF001 - the bench's own
                "on": bench._blend_fn(plan, tier, num_chunks, graphs=True)}  # noqa: SLF001
         times: dict = {"off": [], "on": []}
-        probe: dict = {}
+        probe: dict = {"off": [], "on": []}
+        replayed = {"off": 0, "on": 0}  # probe layers run from a bucket, per way
         for fn in fns.values():
             fn()
         for _ in range(bench.args.repeats):
             for name, fn in fns.items():
+                runs = bench.graphs.layer_runs if bench.graphs is not None else 0
                 bench._sync()  # noqa: SLF001
                 t0 = time.perf_counter()
                 res = fn()
                 bench._sync()  # noqa: SLF001
                 times[name].append(time.perf_counter() - t0)
-                probe[name] = res.counters.probe_s
+                probe[name].append(res.counters.probe_s)
+                replayed[name] += (bench.graphs.layer_runs if bench.graphs is not None else 0) - runs
         for name, ts in times.items():
             med = statistics.median(ts)
             out[f"blend_{tier}_{name}_s"] = med
             out[f"blend_{tier}_{name}_min_s"], out[f"blend_{tier}_{name}_max_s"] = min(ts), max(ts)
             out[f"ratio_{tier}_{name}"] = med / full_s
-            out[f"probe_{tier}_{name}_s"] = probe[name]
+            out[f"probe_{tier}_{name}_s"] = statistics.median(probe[name])
+            out[f"replayed_layers_{tier}_{name}"] = replayed[name]
+        # "on" without a prepared bucket ran the eager probe: then the two ways are the same code
+        out[f"graphs_ran_{tier}"] = replayed["on"] > 0
     out["graphs"] = bench.graphs.stats() if bench.graphs is not None else None
     return out

@@ -230,7 +230,7 @@ class GpuBench:
 
         blocks, spec = -(-tokens // PAGE_BLOCK_TOKENS), self.spec
         if self._paged is None or self._paged[0].shape[1] < blocks:
-            self._paged = None  # the old caches go before the new ones are allocated
+            self._paged = None  # dropped first (earlier writers' closures may still hold them)
             self._paged = [torch.zeros((2, blocks, PAGE_BLOCK_TOKENS, spec.num_kv_heads, spec.head_dim),
                                        dtype=self.adapter.dtype, device=self.device)
                            for _ in range(spec.num_layers)]
@@ -268,7 +268,8 @@ class GpuBench:
         cache as vLLM's own prefill writes its cache (:meth:`_layer_writes`)."""
         writes = self._layer_writes(len(ids))
         result = engine.prefill(list(ids), want_logits=True, on_layer=writes)
-        writes.all_finite()  # vLLM reads nothing back; the same device work and one sync
+        if not writes.all_finite():  # vLLM reads nothing back; a bench that timed NaNs is wrong
+            raise RuntimeError("non-finite KV in full prefill")
         return result
 
     def _blend_fn(self, plan, tier: str, num_chunks: int, graphs: bool | None = None):
@@ -306,6 +307,7 @@ class GpuBench:
             full_hf, _ = self._timed(lambda: self.hf_model(ids_t, use_cache=False, logits_to_keep=1), repeats)
         prepared = gpu_graphs.prepare_graphs(self, plan)
         row = {"tokens": len(ids), "num_chunks": num_chunks, "repeats": repeats, "probe_graphs": prepared,
+               "start_up": {"flex_warm": self.flex_warm, "probe_graphs": self.model_desc["probe_graphs"]},
                "full_s": full["median"], "full_min_s": full["min"], "full_max_s": full["max"],
                "full_hf_s": full_hf["median"], "disk_raw_gbps": self._disk_raw_gbps(num_chunks),
                "by_ratio": {}}

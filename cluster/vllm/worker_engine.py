@@ -98,8 +98,10 @@ def _prepare_flex(config, adapter, scale: float) -> None:
 
 def build_probe_graphs(blend_config, adapter, scale: float, max_tokens: int):
     """The query probe's CUDA graphs for prompts up to ``max_tokens``, every bucket captured
-    now (:meth:`blend.probe_graphs.ProbeGraphs.prepare_all`); None when ``max_tokens`` <= 0
-    or ``blend_config.selection`` does not probe.
+    now (:meth:`blend.probe_graphs.ProbeGraphs.prepare_all`); None when ``max_tokens`` <= 0,
+    ``blend_config.selection`` does not probe or its ``probe_layers`` are not the model's
+    (logged: graphs are never a reason for the worker to lose its engine; a capture that fails
+    leaves the graphs off, see :class:`blend.probe_graphs.ProbeGraphs`).
 
     Who calls it: :func:`build_worker_engine` at start-up (``blend.probe_graph_tokens``, at
     most the model's positions), and ``kvblend bench gpu`` before timing (up to its longest
@@ -111,7 +113,12 @@ def build_probe_graphs(blend_config, adapter, scale: float, max_tokens: int):
     from blend.probe_graphs import ProbeGraphs
     from blend.query_selection import probe_layers_for
 
+    try:
+        layers = probe_layers_for(blend_config.probe_layers, adapter.spec.num_layers)
+    except ValueError as e:  # the blend raises it per request and recovers by full prefill; the engine stays
+        log.warning("the query probe's CUDA graphs are off: %s", e)
+        return None
     graphs = ProbeGraphs(adapter, scale, max_tokens)
-    seconds = graphs.prepare_all(probe_layers_for(blend_config.probe_layers, adapter.spec.num_layers))
+    seconds = graphs.prepare_all(layers)
     log.info("captured the query probe's CUDA graphs in %.1f s: %s", seconds, graphs.stats())
     return graphs

@@ -159,4 +159,7 @@ def test_probe_graphs_both_builds_the_worker_s_buckets_and_times_each_way(tmp_pa
         for way in ("off", "on"):
             assert both[f"blend_{tier}_{way}_min_s"] <= both[f"blend_{tier}_{way}_s"] <= both[f"blend_{tier}_{way}_max_s"]
             assert both[f"probe_{tier}_{way}_s"] > 0
-    assert both["graphs"]["layer_runs"] > 0  # the "on" blends ran the buckets
+    assert both["graphs"]["layer_runs"] > 0  # the "on" blends ran the buckets, the "off" ones none
+    for tier in ("gpu", "host"):
+        assert both[f"graphs_ran_{tier}"] and both[f"replayed_layers_{tier}_off"] == 0
+    assert row["start_up"]["probe_graphs"]["buckets"] == built["buckets"]

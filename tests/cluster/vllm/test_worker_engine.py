@@ -64,3 +64,15 @@ def test_a_failure_after_the_source_was_built_closes_it(stubbed, monkeypatch):
     with pytest.raises(ValueError, match="probe layers"):
         worker_engine.build_worker_engine(_config(), client=None, model_id="m")
     assert source.closed == 1
+
+
+def test_probe_layers_the_model_lacks_leave_the_graphs_off_not_the_engine(caplog):
+    """The probe's graphs are on by default: layers outside the model are logged and the
+    worker keeps its engine (each blend then raises and recovers by full prefill)."""
+    adapter = SimpleNamespace(device=torch.device("cpu"), spec=SimpleNamespace(num_layers=2, max_position=64))
+    config = SimpleNamespace(selection="query_attention", probe_layers=(0, 5))
+    with caplog.at_level("WARNING", logger="kvblend.connector"):
+        assert worker_engine.build_probe_graphs(config, adapter, 1.0, 64) is None
+    assert "outside the model" in caplog.text
+    assert worker_engine.build_probe_graphs(SimpleNamespace(selection="k_deviation", probe_layers=()), adapter,
+                                            1.0, 64) is None  # no probe: no graphs
