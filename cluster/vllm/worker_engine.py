@@ -67,7 +67,7 @@ def build_worker_engine(config, client, model_id: str):
             _prepare_flex(config, adapter, engine.scale)
             graph_tokens = min(config.blend.probe_graph_tokens, adapter.spec.max_position or 2**31)
             engine.probe_graphs = build_probe_graphs(config.blend, adapter, engine.scale, graph_tokens)
-    except BaseException:  # e.g. probe layers the model lacks: the source's threads and pinned memory go
+    except BaseException:  # e.g. out of memory in the compile: the source's threads and pinned memory go
         source.close()
         raise
     samples = CostSamples()
