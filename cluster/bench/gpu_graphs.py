@@ -68,18 +68,19 @@ def measure_graphs(bench, plan, num_chunks: int, full_s: float) -> dict:
         times: dict = {"off": [], "on": []}
         probe: dict = {"off": [], "on": []}
         replayed = {"off": 0, "on": 0}  # probe layers run from a bucket, per way
+        layer_runs = (lambda: bench.graphs.layer_runs) if bench.graphs is not None else (lambda: 0)
         for fn in fns.values():
             fn()
         for _ in range(bench.args.repeats):
             for name, fn in fns.items():
-                runs = bench.graphs.layer_runs if bench.graphs is not None else 0
+                runs = layer_runs()
                 bench._sync()  # noqa: SLF001
                 t0 = time.perf_counter()
                 res = fn()
                 bench._sync()  # noqa: SLF001
                 times[name].append(time.perf_counter() - t0)
                 probe[name].append(res.counters.probe_s)
-                replayed[name] += (bench.graphs.layer_runs if bench.graphs is not None else 0) - runs
+                replayed[name] += layer_runs() - runs
         for name, ts in times.items():
             med = statistics.median(ts)
             out[f"blend_{tier}_{name}_s"] = med
