@@ -320,9 +320,6 @@ class KVBlendWorker:
         num_layers = len(self._kv_caches)
         timeout_s = self.config.blend.load_timeout_s
         futures = self.client.fetch_layers(keys, list(range(num_layers)))
-        slots = spec.slot_mapping  # on the caches' device once, not a host copy per layer
-        if self._kv_caches:
-            slots = slots.to(next(iter(self._kv_caches.values()))[1].device)
         for layer_idx, fut in enumerate(futures):
             try:
                 got = fut.result(timeout=timeout_s)
@@ -334,7 +331,7 @@ class KVBlendWorker:
             if any(t is None for t in got):
                 raise RuntimeError(f"prefix chunk layer {layer_idx} unreadable")
             kv = torch.cat(list(got), dim=1)  # [2, hits * chunk_size, H, D]
-            self._write_layer(layers, layer_idx, kv[:, spec.load_start:spec.load_end], slots)
+            self._write_layer(layers, layer_idx, kv[:, spec.load_start:spec.load_end], spec.slot_mapping)
 
     # ------------------------------------------------------------------ stores and completion
 
