@@ -222,7 +222,7 @@ class BlendEngine(RowSelection):
                 counters.compute_s = spent[0] - counters.load_wait_s
                 counters.lost_segments, counters.lost_keys = len(lost), lost
                 if lost:  # the chunks were fetched twice: no clean transfer sample
-                    counters.transfer_s = 0.0
+                    counters.transfer_s, counters.transfer_busy_s = 0.0, None
                 self._log(counters)
                 return result
             except _Fallback as e:

@@ -38,6 +38,10 @@ class BlendCounters:
         transfer_s: seconds from asking the source for the cached layers to the last one's
             arrival (0 when none was asked for or not all arrived); the cost estimates'
             transfer sample (:mod:`cluster.vllm.costs`).
+        transfer_busy_s: seconds the source itself spent moving those layers, its waits for
+            the engine left out (the last layer's ``busy_s``: :class:`tiers.codec.LayerBatch`);
+            None when the source does not measure it. A transfer hidden under compute shows
+            its own time here, where ``transfer_s`` only bounds it.
         unfit_segments: hit chunks the source could not hold at once (a cache agent's arena
             smaller than the request), computed instead of loaded; unfit_keys: their keys (no
             transfer: left out of the cost estimates' transfer sample).
@@ -59,6 +63,7 @@ class BlendCounters:
     load_wait_s: float = 0.0
     compute_s: float = 0.0
     transfer_s: float = 0.0
+    transfer_busy_s: float | None = None
     unfit_segments: int = 0
     unfit_keys: tuple = ()
     lost_segments: int = 0

@@ -209,7 +209,8 @@ def start_fetch(source: KVSource, rows: RequestRows, layers: Iterable[int],
     engine computes; CacheBlend §5): ``{layer: future}``, empty without hits. A source that
     raises here sends the request to full prefill (its layers count as unreadable). When the
     last layer arrives its seconds since the ask go to ``counters.transfer_s`` (the cost
-    estimates' sample)."""
+    estimates' sample), and the source's own busy seconds, where its last layer carries them,
+    to ``counters.transfer_busy_s``."""
     if not rows.keys:
         return {}
     layers = list(layers)
@@ -220,9 +221,17 @@ def start_fetch(source: KVSource, rows: RequestRows, layers: Iterable[int],
         log.warning("fetch of the cached layers failed (%s: %s)", type(e).__name__, e)
         return {}
     if futs:
-        futs[-1].add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                   or setattr(counters, "transfer_s", time.perf_counter() - t0))
+        futs[-1].add_done_callback(lambda f: _note_transfer(f, counters, time.perf_counter() - t0))
     return dict(zip(layers, futs, strict=False))
+
+
+def _note_transfer(fut: Future, counters: BlendCounters, seconds: float) -> None:
+    """Done callback of a request's last layer: its transfer sample into ``counters``."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    counters.transfer_s = seconds
+    busy = getattr(fut.result(), "busy_s", None)
+    counters.transfer_busy_s = float(busy) if isinstance(busy, (int, float)) and busy >= 0 else None
 
 
 def layer_result(fut: Future | None, layer_idx: int, timeout_s: float) -> list[torch.Tensor | None] | None:

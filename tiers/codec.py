@@ -27,11 +27,17 @@ class LayerBatch(list):
     Attributes:
         ready: a ``torch.cuda.Event`` recorded after the host-to-device copy; the consumer's
             stream waits on it (``Stream.wait_event``) before reading. None: usable now.
+        busy_s: seconds the source spent moving the request's layers up to and including this
+            one (reading them into its staging memory, waiting for a free ring slot), not
+            counting its waits for the consumer to take layers; on the last layer, the
+            request's transfer as one number (a point sample for the cost estimates, issue 34).
+            None: the source does not measure it.
 
     A plain ``list`` is a valid result of ``blend.protocols.KVSource.fetch_layers`` too.
     """
 
     ready: object | None = None
+    busy_s: float | None = None
 
 
 def check_kv(kv: torch.Tensor) -> None:

@@ -245,6 +245,7 @@ class StagedSource:
             return
         pinned: list = []
         readable = None
+        start = time.perf_counter()
         try:
             headers = [None] * len(req.keys)
             if not req.cancelled():
@@ -270,8 +271,8 @@ class StagedSource:
                                         for p, h in hits)
             if direct:
                 self._run_direct(req, headers, pinned)
-            else:
-                self._run_layers(req, headers, views, offsets, total)
+            else:  # the headers and views read the objects (a tier's whole read, for most)
+                self._run_layers(req, headers, views, offsets, total, time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 - a broken reader is a miss for the request
             log.warning("%s: staging a request failed (%s: %s)", self.name, type(e).__name__, e)
         finally:
@@ -319,8 +320,14 @@ class StagedSource:
                         fut.set_result(batch)
             n += size
 
-    def _run_layers(self, req: _Request, headers, views, offsets, total: int) -> None:
-        """Every layer of ``req`` in order, each through a pinned slot."""
+    def _run_layers(self, req: _Request, headers, views, offsets, total: int, busy: float = 0.0) -> None:
+        """Every layer of ``req`` in order, each through a pinned slot. Each delivered
+        layer carries ``busy_s`` (:class:`tiers.codec.LayerBatch`): ``busy`` (the request's
+        headers and views: where most tiers read their objects) plus the seconds spent so far
+        in :meth:`_stage` (a free slot, the fill, the copy queued), the waits for the consumer
+        left out: what the cost estimates take as this request's own transfer time. The last
+        ``read_ahead + 1`` copies are queued, not waited for: it runs short by their time.
+        Layers copied straight from pinned or device-readable memory carry none."""
         for n, (layer_idx, fut) in enumerate(zip(req.layers, req.futures, strict=True)):
             if n >= self.max_ahead and not self._wait_taken(req, n - self.max_ahead):
                 for rest in req.futures[n:]:
@@ -330,7 +337,11 @@ class StagedSource:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(self._stage(req, headers, views, offsets, total, layer_idx, n))
+                t0 = time.perf_counter()
+                batch = self._stage(req, headers, views, offsets, total, layer_idx, n)
+                busy += time.perf_counter() - t0
+                batch.busy_s = busy
+                fut.set_result(batch)
             except Exception as e:  # noqa: BLE001 - never leave a future unresolved
                 log.warning("%s: staging layer %d failed (%s: %s)", self.name, layer_idx,
                             type(e).__name__, e)

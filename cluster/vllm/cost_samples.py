@@ -31,16 +31,17 @@ class CostSamples:
     Attributes:
         compute: ``(rows per layer, keys, seconds, kind)`` per blend (kind :data:`BLEND`) or
             prefill (:data:`PREFILL`).
-        transfer: ``({tier: bytes}, seconds, waited)`` per blend that loaded chunks: seconds
-            from asking for its layers to the last one's arrival, and seconds the engine waited
-            for them (the transfer took between the two).
+        transfer: ``({tier: bytes}, seconds, waited, busy)`` per blend that loaded chunks:
+            seconds from asking for its layers to the last one's arrival, seconds the engine
+            waited for them (the transfer took between the two), and the source's own busy
+            seconds (None where the source does not measure them: a point within that span).
         blends: ``({tier: bytes}, rows per layer, keys, compute seconds, wall seconds)`` per
             blend that loaded chunks (wall: its compute plus its load waits): its compute sample
             (not in ``compute``) and the overlap's.
     """
 
     compute: list[tuple[float, int, float, str]] = field(default_factory=list)
-    transfer: list[tuple[dict[str, int], float, float]] = field(default_factory=list)
+    transfer: list[tuple[dict[str, int], float, float, float | None]] = field(default_factory=list)
     blends: list[tuple[dict[str, int], float, int, float, float]] = field(default_factory=list)
 
     def merge(self, other: CostSamples) -> CostSamples:
@@ -56,7 +57,8 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
     """What one blend or prefill measured (its :class:`blend.result.BlendCounters`), as samples:
     its compute (rows per layer, ``keys`` tokens, load waits excluded) and, for a blend of
     ``plan`` that loaded chunks, their bytes per tier (``per_token`` bytes a token), the
-    seconds to the last layer's arrival and the seconds the engine waited for layers. Chunks
+    seconds to the last layer's arrival, the seconds the engine waited for layers and the
+    source's own busy seconds (``transfer_busy_s``). Chunks
     in ``local`` (keys the worker's gpu tier held, though the lookup named the tier below, and
     the counters' ``unfit_keys`` and ``lost_keys``, computed because the source could not hold
     them or had lost them: no transfer)
@@ -72,7 +74,8 @@ def samples_of(counters, keys: int, plan: BlendPlan | None = None, per_token: in
             if seg.key not in local:
                 by_tier[seg.tier] = by_tier.get(seg.tier, 0) + seg.num_tokens * per_token
         if by_tier:
-            out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s)))
+            out.transfer.append((by_tier, counters.transfer_s, min(counters.load_wait_s, counters.transfer_s),
+                                 getattr(counters, "transfer_busy_s", None)))
         else:
             by_tier = None
     rows = counters.recomputed_tokens_per_layer

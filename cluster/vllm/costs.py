@@ -41,7 +41,13 @@ date from its own requests: :class:`CostEstimator` implements :class:`blend.cost
   interval is shared out among the tiers in proportion to what the estimates predicted for
   each, and a tier's seconds per byte moves :data:`ALPHA` of the way toward its share only
   when its prediction lies outside it; all the way when a blend read one tier only and its
-  bytes came sooner than predicted (the last layer's arrival bounds that tier's time).
+  bytes came sooner than predicted (the last layer's arrival bounds that tier's time). Where
+  the source measures its own busy time (:class:`tiers.staging.StagedSource`: seconds in its
+  fills and slot waits, its waits for the engine left out; the last few layers' device copies
+  are queued, not waited for, so it runs a little short), that time is the sample, a point:
+  an interval cannot show a tier that got faster while its reads hide under compute (on the
+  H100 a throttled tier back at 20 GB/s was not loaded again within 24 requests: one explored
+  chunk's ~3 ms read sat inside an interval as long as the blend).
 * **Overlap** (:attr:`CostEstimator.overlap`): how much of the shorter of a blend's compute and
   transfer hid under the longer (:func:`blend.cost.blend_seconds`). A sample is a blend that
   loaded chunks: its rows, keys, bytes per tier and wall time (compute plus load waits). With
@@ -248,8 +254,8 @@ class CostEstimator:
         """Fold a worker step's measurements in (bad samples — non-positive or non-finite — are skipped)."""
         for rows, keys, seconds, kind in samples.compute:
             self.add_compute(rows, keys, seconds, kind)
-        for by_tier, seconds, waited in samples.transfer:
-            self.add_transfer(by_tier, seconds, waited)
+        for by_tier, seconds, waited, *busy in samples.transfer:
+            self.add_transfer(by_tier, seconds, waited, busy[0] if busy else None)
         for by_tier, rows, keys, compute, wall in samples.blends:
             self.add_blend(by_tier, rows, keys, compute, wall)
 
@@ -269,12 +275,16 @@ class CostEstimator:
                 if keys >= LONG_PREFILL_TOKENS:
                     self._long.append((w, seconds))
 
-    def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float, waited: float | None = None) -> None:
+    def add_transfer(self, bytes_by_tier: Mapping[str, int], seconds: float, waited: float | None = None,
+                     busy: float | None = None) -> None:
         """One blend's transfer: it took between ``waited`` (default ``seconds``: a point) and
-        ``seconds`` (module docstring)."""
+        ``seconds``, or ``busy`` seconds where the source measured its own time (a point, at
+        most ``seconds``; module docstring)."""
         lower = seconds if waited is None else waited
         if not (0 < seconds < float("inf") and 0 <= lower <= seconds):
             return
+        if busy is not None and 0 < busy < float("inf"):
+            lower = seconds = min(busy, seconds)
         with self._lock:
             parts = {t: n for t, n in bytes_by_tier.items() if n > 0}
             predicted = {t: self._predict(t, n) for t, n in parts.items()}

@@ -254,7 +254,8 @@ class KVBlendWorker:
                           selected_tokens=c.selected_tokens, selection=c.selection,
                           selection_fallback=c.selection_fallback, probe_s=c.probe_s,
                           recomputed_tokens_per_layer=c.recomputed_tokens_per_layer,
-                          load_wait_s=c.load_wait_s, compute_s=c.compute_s,
+                          load_wait_s=c.load_wait_s, compute_s=c.compute_s, transfer_s=c.transfer_s,
+                          transfer_busy_s=c.transfer_busy_s,
                           full_prefill_reason=c.full_prefill_reason, lost_segments=c.lost_segments,
                           fallback=c.full_prefill_reason is not None)
         self._counters.bump(blend_requests=1, segments=c.num_segments, hit_segments=c.num_hit_segments,

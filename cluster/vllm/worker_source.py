@@ -187,6 +187,7 @@ class WorkerKVSource:
         try:
             got = fut.result()
             result.ready = getattr(got, "ready", None)
+            result.busy_s = getattr(got, "busy_s", None)
             for i, t in zip(missing, list(got), strict=True):
                 result[i] = t
         except BaseException:  # noqa: BLE001 - CancelledError included: a miss

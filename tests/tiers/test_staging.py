@@ -252,3 +252,61 @@ def test_close_resolves_requests_that_never_started():
     release.set()
     closer.join(30)
     assert not closer.is_alive() and [f.result(timeout=10) for f in first] == [[None] * 3] * 2
+
+
+class _PacedReads:
+    """A tier whose every read (``get``, ``get_ranges``) costs ``seconds`` on ``clock`` (no real
+    sleep), its faster read paths hidden: a remote store as the staging source reads it."""
+
+    FAST = frozenset({"open_stream", "get_ranges_into", "get_ranges_into_each", "get_ranges_verified"})
+
+    def __init__(self, tier, clock: list[float], seconds: float) -> None:
+        self.tier, self.clock, self.seconds, self.name, self.reads = tier, clock, seconds, "paced", 0
+
+    def get(self, key):
+        self.reads += 1
+        self.clock[0] += self.seconds
+        return self.tier.get(key)
+
+    def get_ranges(self, key, ranges):
+        self.reads += 1
+        self.clock[0] += self.seconds
+        return self.tier.get_ranges(key, ranges)
+
+    def __getattr__(self, name):
+        if name in self.FAST:
+            raise AttributeError(name)
+        return getattr(self.tier, name)
+
+
+def test_each_layer_carries_the_sources_busy_time_without_its_waits_for_the_consumer(monkeypatch):
+    """``busy_s`` (issue 34's point sample): the reads a request made, on the source's clock,
+    growing layer by layer; the staging thread's waits for a consumer that takes its layers
+    late are not in it. The clock here moves only when the tier reads and while the consumer
+    holds the staging thread back (``max_ahead=1``: it waits for each layer's take), so the
+    last layer's ``busy_s`` is exactly the reads' time however long the consumer took."""
+    import time
+    import types
+
+    from tiers import staging
+
+    clock = [0.0]
+    monkeypatch.setattr(staging, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    chunks = _objects(num_layers=4)
+    keys = list(chunks)
+    paced = _PacedReads(_host_with(chunks), clock, 0.25)
+    src = StagedSource(paced, "cpu", max_ahead=1, take_timeout_s=30.0)
+    futs = src.fetch_layers(keys, range(4))
+    busy = []
+    for layer, fut in enumerate(futs):
+        deadline = time.monotonic() + 30
+        while not fut.done() and time.monotonic() < deadline:  # delivered, not taken: the
+            time.sleep(0.01)                                   # staging thread waits for us
+        clock[0] += 100.0  # the consumer's own time (its compute before it takes the layer)
+        got = fut.result(timeout=30)
+        assert all(torch.equal(x, chunks[k][layer]) for x, k in zip(got, keys, strict=True))
+        busy.append(got.busy_s)
+    assert paced.reads >= 4 * len(keys)  # every chunk's every layer was read from the tier
+    assert busy == sorted(busy) and busy[0] > 0
+    assert busy[-1] == pytest.approx(0.25 * paced.reads)
+    src.close()

@@ -335,12 +335,51 @@ def test_chunks_the_gpu_tier_held_are_not_a_transfer_sample():
     c = SimpleNamespace(transfer_s=0.05, load_wait_s=0.01, full_prefill_reason=None, num_hit_segments=3,
                         recomputed_tokens_per_layer=[300] * LAYERS, compute_s=0.02)
     every = samples_of(c, plan.blend_end, plan, KV_BYTES)
-    assert every.transfer == [({"host": 1000 * KV_BYTES, "disk": 500 * KV_BYTES}, 0.05, 0.01)]
+    assert every.transfer == [({"host": 1000 * KV_BYTES, "disk": 500 * KV_BYTES}, 0.05, 0.01, None)]
     some = samples_of(c, plan.blend_end, plan, KV_BYTES, local={hits[0]})
-    assert some.transfer == [({"host": 500 * KV_BYTES, "disk": 500 * KV_BYTES}, 0.05, 0.01)]
+    assert some.transfer == [({"host": 500 * KV_BYTES, "disk": 500 * KV_BYTES}, 0.05, 0.01, None)]
     assert some.blends[0][0] == {"host": 500 * KV_BYTES, "disk": 500 * KV_BYTES}
     none = samples_of(c, plan.blend_end, plan, KV_BYTES, local=set(hits))
     assert none.transfer == [] and none.blends == [] and none.compute == [(300.0, plan.blend_end, 0.02, "blend")]
     # chunks the source could not hold, or had lost when read, were computed: no transfer either
     c.unfit_keys, c.lost_keys = (hits[0],), (hits[2],)
-    assert samples_of(c, plan.blend_end, plan, KV_BYTES).transfer == [({"host": 500 * KV_BYTES}, 0.05, 0.01)]
+    assert samples_of(c, plan.blend_end, plan, KV_BYTES).transfer == [({"host": 500 * KV_BYTES}, 0.05, 0.01, None)]
+
+
+def test_a_tier_that_recovered_is_seen_by_the_sources_busy_time_though_its_read_hid_under_compute():
+    """H100 settling run: a throttled tier back at 20 GB/s was not loaded again within 24
+    requests. Its explored chunk (~3 ms) arrived inside a blend whose last layer came after
+    ~0.1 s of compute, an interval holding the old prediction, so nothing moved. With the
+    source's busy seconds (``transfer_busy_s``, a point) the estimate goes to the new speed
+    at once; through ``samples_of`` and ``CostEstimator.add`` as the worker sends them."""
+    from types import SimpleNamespace
+
+    from cluster.vllm.cost_samples import samples_of
+
+    def slowed() -> CostEstimator:
+        est = CostEstimator(k_lin=1.0, priors={"disk": (0.0, 1e9)})
+        for _ in range(20):
+            est.add_transfer({"disk": 10**9}, 20.0, 20.0)  # 1 GB in 20 s: 0.05 GB/s
+        assert est.snapshot()["tiers"]["disk"]["gbps"] == pytest.approx(0.05, rel=0.05)
+        return est
+
+    plan = _plan(["disk"], tokens=500)  # one explored chunk: 10 MB, 0.2 s at the slowed price
+    c = SimpleNamespace(transfer_s=0.5, load_wait_s=0.0, full_prefill_reason=None, num_hit_segments=1,
+                        recomputed_tokens_per_layer=[300] * LAYERS, compute_s=0.5, transfer_busy_s=0.005)
+    interval_only = slowed()
+    interval_only.add(samples_of(SimpleNamespace(**{**vars(c), "transfer_busy_s": None}), plan.blend_end, plan,
+                                 KV_BYTES))
+    assert interval_only.snapshot()["tiers"]["disk"]["gbps"] == pytest.approx(0.05, rel=0.05)  # the old gap
+    est = slowed()
+    samples = samples_of(c, plan.blend_end, plan, KV_BYTES)
+    assert samples.transfer == [({"disk": 500 * KV_BYTES}, 0.5, 0.0, 0.005)]
+    est.add(samples)
+    assert est.snapshot()["tiers"]["disk"]["gbps"] == pytest.approx(500 * KV_BYTES / 0.005 / 1e9)
+    # a busy time past the interval's end is no sample of more than the interval
+    late = slowed()
+    late.add_transfer({"disk": 500 * KV_BYTES}, 0.01, 0.0, busy=5.0)
+    assert late.snapshot()["tiers"]["disk"]["gbps"] == pytest.approx(500 * KV_BYTES / 0.01 / 1e9)
+    # samples of three fields (no busy time) are read as before
+    old = slowed()
+    old.add(CostSamples(transfer=[({"disk": 10**9}, 20.0, 20.0)]))
+    assert old.snapshot()["tiers"]["disk"]["gbps"] == pytest.approx(0.05, rel=0.05)

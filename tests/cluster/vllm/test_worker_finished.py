@@ -21,7 +21,8 @@ pytestmark = pytest.mark.unit
 
 _COUNTERS = SimpleNamespace(num_segments=2, num_hit_segments=2, reused_tokens=8, computed_tokens=4,
                             selected_tokens=1, selection="k_deviation", selection_fallback=None, probe_s=0.0,
-                            recomputed_tokens_per_layer=[1], load_wait_s=0.0, compute_s=0.0,
+                            recomputed_tokens_per_layer=[1], load_wait_s=0.0, compute_s=0.0, transfer_s=0.0,
+                            transfer_busy_s=None,
                             full_prefill_reason=None)
 
 
