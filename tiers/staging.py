@@ -5,7 +5,7 @@ consumes them in order while it computes (CacheBlend, Yao et al., EuroSys 2025, 
 hides under recompute). This module moves them, in the process that owns the GPU::
 
     host bytes (a client's mapped objects, a memory or disk tier)          this process
-      |  io threads: one memcpy / pread per chunk (GIL released), lz4 decoded where stored so
+      |  io threads (tiers.gather): one memcpy / pread per chunk (GIL released), lz4 decoded where stored so
       v
     pinned slot (ring of ``read_ahead + 1``, allocated once, grown only for a larger request)
       |  ONE host-to-device copy per layer (all chunks coalesced) on a side CUDA stream,
@@ -52,7 +52,8 @@ import numpy as np
 import torch
 
 from tiers.codec import TORCH_DTYPES, LayerBatch
-from tiers.direct_copy import Readable, copy_group, group_size
+from tiers.direct_copy import copy_group, group_size
+from tiers.gather import LayerGather
 from tiers.host_layers import TierLayers
 from tiers.keys import ChunkKey
 from tiers.pinned import PinnedChunks
@@ -61,7 +62,6 @@ from tiers.reader import ReadCounters
 log = logging.getLogger(__name__)
 
 _ALIGN = 1 << 20          # pinned slots grow in whole MiB
-_PARALLEL_BYTES = 4 << 20  # a layer below this is copied by the staging thread alone
 _MAX_TIMINGS = 4096        # copy timings kept for transfer_stats
 
 
@@ -161,8 +161,7 @@ class StagedSource:
         self._slot_done: list[object | None] = [None] * (read_ahead + 1)
         self._timings: deque = deque(maxlen=_MAX_TIMINGS)
         self._lock = threading.Lock()
-        self._io = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvblend-stage-io")
-        self._num_io = num_io_threads
+        self.gather = LayerGather(self.layers, num_io_threads, self._cuda)
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvblend-stage")
         self.pinned = PinnedChunks(pinned_bytes, register=self._cuda,
                                    device=self.device if self._cuda else None)
@@ -228,8 +227,8 @@ class StagedSource:
             for fut in req.futures:
                 if not fut.done() and fut.set_running_or_notify_cancel():
                     fut.set_result(LayerBatch([None] * len(req.keys)))
-        for pool in (self._stager, self._io):
-            pool.shutdown(wait=True, cancel_futures=True)
+        self._stager.shutdown(wait=True, cancel_futures=True)
+        self.gather.close()
         self.pinned.close()
 
     # ------------------------------------------------------------------ internals
@@ -252,12 +251,12 @@ class StagedSource:
                 got = self.layers.headers(list(req.keys))
                 if len(got) == len(req.keys):
                     headers = list(got)
-            views = self._views(req.keys, headers)
+            views = self.gather.views(req.keys, headers)
             sizes = [0 if h is None else h.layer_nbytes for h in headers]
             offsets = np.cumsum([0] + sizes[:-1]).tolist() if sizes else []
             total = sum(sizes)
             pinned = self.pinned.acquire(req.keys)
-            readable = self._device_readable(req.keys, headers, views)
+            readable = self.gather.device_readable(req.keys, headers, views)
             if readable is not None:  # views the copy engine reads: no pinned copy either
                 self._run_direct(req, headers, readable)
                 return
@@ -380,76 +379,6 @@ class StagedSource:
             slot = self._slots[i] = torch.empty(size, dtype=torch.uint8, pin_memory=self._cuda)
         return slot
 
-    def _copy_views(self, pairs: list[tuple[np.ndarray, np.ndarray]], total: int) -> None:
-        """``np.copyto(dst, src)`` for each pair, spread over the io threads for a big layer:
-        numpy copies without the GIL and without a thread pool of its own (``Tensor.copy_``
-        called from several threads each fanned out to every core: 10-14 GB/s on the H200's
-        host, measured 2026-12-01), so the threads copy in parallel."""
-        if len(pairs) < 2 or total < _PARALLEL_BYTES:
-            for dst, src in pairs:
-                np.copyto(dst, src)
-            return
-
-        def run(group):
-            for dst, src in group:
-                np.copyto(dst, src)
-        jobs = [self._io.submit(run, pairs[g::self._num_io]) for g in range(min(self._num_io, len(pairs)))]
-        for job in jobs:
-            job.result()
-
-    def _fill(self, keys, headers, offsets, layer_idx: int, raw: np.ndarray) -> list[bool]:
-        """Copy each chunk's layer into ``raw`` at its offset (io threads for big layers)."""
-        todo = [i for i, h in enumerate(headers) if h is not None]
-
-        def one(i: int) -> bool:
-            h = headers[i]
-            return self.layers.layer_into(keys[i], h, layer_idx, raw[offsets[i]:offsets[i] + h.layer_nbytes])
-
-        ok = [False] * len(keys)
-        if len(todo) > 1 and raw.nbytes >= _PARALLEL_BYTES:
-            groups = [todo[g::self._num_io] for g in range(min(self._num_io, len(todo)))]
-            jobs = [self._io.submit(lambda idx: [(i, one(i)) for i in idx], g) for g in groups]
-            for job in jobs:
-                for i, good in job.result():
-                    ok[i] = good
-        else:
-            for i in todo:
-                ok[i] = one(i)
-        return ok
-
-    def _views(self, keys, headers) -> list[list[np.ndarray]] | None:
-        """Per chunk, uint8 arrays of every layer's checked raw bytes (``layer_views``), when
-        every hit chunk has them; else None (layers are read by ``layer_into``)."""
-        get = getattr(self.layers, "layer_views", None)
-        if get is None or not any(h is not None for h in headers):
-            return None
-        out: list[list[np.ndarray]] = []
-        for key, h in zip(keys, headers, strict=True):
-            if h is None:
-                out.append([])
-                continue
-            try:
-                got = get(key, h)
-            except Exception as e:  # noqa: BLE001 - no fast path; layer_into decides
-                log.debug("%s: no layer views of %s (%s)", self.name, key, e)
-                got = None
-            if got is None or len(got) != h.num_layers:
-                return None
-            out.append([np.frombuffer(v, dtype=np.uint8) for v in got])
-        return out
-
-    def _device_readable(self, keys, headers, views) -> list[Readable | None] | None:
-        """Per chunk its ``views`` as direct copy sources when the reader says the copy engine
-        reads every hit chunk's views (``views_device_readable``: memory registered with
-        CUDA, e.g. the cache agent's arena); else None."""
-        check = getattr(self.layers, "views_device_readable", None)
-        if not self._cuda or views is None or check is None:
-            return None
-        hits = [(k, h) for k, h in zip(keys, headers, strict=True) if h is not None]
-        if not hits or not all(check(k) for k, _h in hits):
-            return None
-        return [None if h is None else Readable(v) for h, v in zip(headers, views, strict=True)]
-
     def _stage(self, req: _Request, headers, views, offsets, total: int, layer_idx: int, n: int) -> LayerBatch:
         """Layer ``layer_idx`` of every chunk: filled into ring slot ``n``, then one copy.
         With ``views`` the fill is one numpy copy per chunk on the io threads (no other
@@ -463,10 +392,10 @@ class StagedSource:
         raw = slot.numpy()
         if views is not None:
             ok = [h is not None and 0 <= layer_idx < h.num_layers for h in headers]
-            self._copy_views([(raw[offsets[i]:offsets[i] + headers[i].layer_nbytes], views[i][layer_idx])
+            self.gather.copy_views([(raw[offsets[i]:offsets[i] + headers[i].layer_nbytes], views[i][layer_idx])
                               for i, good in enumerate(ok) if good], total)
         else:
-            ok = self._fill(keys, headers, offsets, layer_idx, raw[:total])
+            ok = self.gather.fill(keys, headers, offsets, layer_idx, raw[:total])
         with self._lock:
             self._fill_s += time.perf_counter() - t0
             self._fill_bytes += total
