@@ -262,7 +262,8 @@ def _cell(bench, places, estimator, per_token: int, length: int, placement: str)
 def _settling(bench, places, estimator, per_token: int, length: int) -> dict:
     """Requests until the cost-aware choice follows a tier that slows down tenfold, then
     recovers: the ``slow`` placement at :data:`SETTLE_GBPS`, a tenth of it, then
-    :data:`SETTLE_GBPS` again."""
+    :data:`SETTLE_GBPS` again. Per phase the choices and, after each request, the estimate of
+    that tier's GB/s (``estimated_gbps``: how the samples moved it)."""
     from cluster.bench.gpu_harness import _num_chunks
 
     plan, _ = bench._plan(length, bench.ratios[0])  # noqa: SLF001
@@ -272,12 +273,13 @@ def _settling(bench, places, estimator, per_token: int, length: int) -> dict:
     try:
         for phase, gbps in (("fast", SETTLE_GBPS), ("slowed", SETTLE_GBPS / 10), ("recovered", SETTLE_GBPS)):
             tier.gbps = gbps
-            seen = []
+            seen, estimated = [], []
             for _ in range(8 if phase == "fast" else 24):
                 seen.append(_run(bench, places, estimator, per_token, "slow", plan, keys, "cost_aware")[1])
+                estimated.append(estimator.snapshot()["tiers"].get(tier.name, {}).get("gbps"))
                 if phase != "fast" and len(seen) >= 2 and seen[-1] == seen[-2] and seen[-1] != seen[0]:
                     break
-            out[phase] = {"gbps": gbps, "choices": seen}
+            out[phase] = {"gbps": gbps, "choices": seen, "estimated_gbps": estimated}
     finally:
         tier.gbps = SLOW_GBPS
     return out

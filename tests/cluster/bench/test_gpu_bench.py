@@ -102,6 +102,10 @@ def test_bench_gpu_placement_tiny_times_every_way_and_placement(tmp_path):
             assert 0 < r[f"{way}_min_s"] <= r[f"{way}_s"] <= r[f"{way}_max_s"], (r["placement"], way)
         assert all(c == "full" or c == "load" or c.startswith("recompute:") for c in r["choices"])
     assert set(out["settling"]) == {"tokens", "fast", "slowed", "recovered"}
+    for phase in ("fast", "slowed", "recovered"):  # the estimate after each request, beside its choice
+        got = out["settling"][phase]
+        assert len(got["estimated_gbps"]) == len(got["choices"]) and all(g is None or g > 0
+                                                                          for g in got["estimated_gbps"])
     assert "slow" in out["estimates"]["tiers"] and out["estimates"]["blend_s_per_work"] > 0
     assert "agent" in out["left_out"]
 
